@@ -1,0 +1,55 @@
+"""What every attention backend sees: the layout of one forward batch, and the backend interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens of all requests in one forward, packed request after request.
+
+    Request b contributes `extend_lens[b]` new tokens at positions prefix_lens[b] .. seq_lens[b]-1;
+    a decode step is the case extend_lens == 1.
+    """
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] KV slots the new tokens are written to
+    req_pool_indices: torch.Tensor  # [B]
+    prefix_lens: torch.Tensor  # [B]
+    extend_lens: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B]
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.numel())
+
+    @property
+    def is_decode(self) -> bool:
+        return int(self.extend_lens.max()) == 1 and int(self.prefix_lens.min()) > 0
+
+
+class AttentionBackend(Protocol):
+    """Writes a layer's new K/V into the pool, then attends each new query over its request's whole KV."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Called once per forward, before the layers, so per-layer calls only index precomputed tensors."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        ...

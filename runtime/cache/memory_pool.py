@@ -1,0 +1,79 @@
+"""The two KV memory pools: request slot -> KV slot indices, and KV slot -> K/V tensors per layer.
+
+Page size is 1: any free KV slot can hold any token, so there is no fragmentation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Row r lists, position by position, the KV slots of the request that holds row r."""
+
+    def __init__(self, size: int, max_context_len: int, device: str = "cpu") -> None:
+        self.size = size
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.free_slots = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def free(self, slot: int) -> None:
+        self.free_slots.append(slot)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class TokenToKVPool:
+    """K and V buffers for every layer, indexed by KV slot, with a free-slot allocator.
+
+    Slot 0 is never handed out: padded index tensors point at it, so reads of padding stay in bounds
+    and writes of padding never clobber a live token.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+    ) -> None:
+        self.size = size
+        shape = (size + 1, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.clear()
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots, or None when fewer are free (the caller decides what to evict or retract)."""
+        if n > len(self._free):
+            return None
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        return torch.tensor(taken, dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free.extend(slots.tolist())
+
+    def clear(self) -> None:
+        # Popping from the end hands out low slot numbers first, which keeps early requests' KV together.
+        self._free = list(range(self.size, 0, -1))
+
+    def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer][slots] = k
+        self.v_buffer[layer][slots] = v
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

@@ -1,0 +1,75 @@
+"""Engine arguments: one dataclass, named after SGLang's server arguments where one exists."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+SCHEDULE_POLICIES = ("fcfs", "lof", "random")
+ATTENTION_BACKENDS = ("torch_native",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineArgs:
+    """Everything the engine and scheduler need to start; picklable so it can cross processes."""
+
+    model_path: str = "default"
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    context_length: int | None = None
+    # Memory: an explicit token count wins over the fraction of free RAM.
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.2
+    max_running_requests: int = 128
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    attention_backend: str = "torch_native"
+    random_seed: int = 0
+    torch_num_threads: int | None = None
+    # Tokens of every new request's expected output reserved at admission, as a share of max_new_tokens.
+    new_token_ratio: float = 0.7
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+
+    @property
+    def num_threads(self) -> int:
+        return self.torch_num_threads or max(1, os.cpu_count() or 1)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Expose every field as `--field-name`, so SGLang users can carry their flags over."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if isinstance(default, bool):
+                parser.add_argument(flag, action="store_true", default=default)
+            else:
+                kind = type(default) if default is not None else (int if "tokens" in f.name or "threads" in f.name else str)
+                parser.add_argument(flag, type=kind, default=default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

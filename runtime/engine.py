@@ -1,0 +1,273 @@
+"""Engine: the in-process entry point. Tokenizes, validates, talks to the scheduler process, detokenizes.
+
+The model never runs on the caller's thread: the scheduler lives in a spawned process, and a receiver thread
+folds its outputs into per-request state that sync and async callers wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from .config import EngineArgs
+from .io import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
+from .model.loader import resolve_model_path
+from .request_builder import RequestBuilder
+from .request_state import RequestState
+from .scheduler.process import AUTHKEY_ENV
+
+STARTUP_TIMEOUT_S = 600
+
+
+def start_scheduler_process() -> tuple[subprocess.Popen, Connection]:
+    """Start the scheduler in a fresh interpreter and accept its authenticated connection."""
+    authkey = secrets.token_bytes(32)
+    with Listener(family="AF_UNIX", authkey=authkey) as listener:
+        env = dict(os.environ, **{AUTHKEY_ENV: authkey.hex()})
+        process = subprocess.Popen([sys.executable, "-m", "furcate.runtime.scheduler.process", listener.address],
+                                   env=env)
+        accepted: list[Connection] = []
+        acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        acceptor.start()
+        while acceptor.is_alive() and process.poll() is None:
+            acceptor.join(timeout=0.2)
+        if not accepted:
+            process.kill()
+            raise RuntimeError(f"scheduler process exited with code {process.wait()} before connecting")
+        return process, accepted[0]
+
+
+class Engine:
+    """`Engine(model_path="default", **engine_args)`; see EngineArgs for the arguments."""
+
+    def __init__(self, model_path: str = "default", **kwargs: Any) -> None:
+        self.args = EngineArgs(model_path=model_path, **kwargs)
+        self.model_path = resolve_model_path(model_path)
+        self.tokenizer_path = self.args.tokenizer_path or self.model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        self._send_lock = threading.Lock()
+        self._process, self._conn = start_scheduler_process()
+        self._send((self.args, self.model_path, self.tokenizer_path))
+        self.info = self._wait_ready()
+        self.builder = RequestBuilder(self.tokenizer, self.info)
+        self._states: dict[str, RequestState] = {}
+        self._rpc_waiters: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="furcate-receiver")
+        self._receiver.start()
+
+    # -- public API ---------------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                 stream: bool = False, rid: str | None = None):
+        """Generate for one prompt (returns a dict) or a list (returns a list, n results per prompt, in order).
+
+        With stream=True (one prompt, n=1) returns an iterator of chunks: `text` is cumulative, logprob lists
+        hold only the new entries.
+        """
+        reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                          top_logprobs_num, rid, stream)
+        if stream:
+            return self._stream_sync(reqs[0], return_text_in_logprobs)
+        sinks = [queue.Queue() for _ in reqs]
+        states = [self._submit(req, return_text_in_logprobs, sink.put) for req, sink in zip(reqs, sinks)]
+        for state, sink in zip(states, sinks):
+            self._drain_until_finished(state, sink)
+        results = [state.result() for state in states]
+        return results[0] if single else results
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                             logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                             return_text_in_logprobs: bool = False, stream: bool = False, rid: str | None = None):
+        """Async twin of generate(); with stream=True returns an async iterator of chunks."""
+        reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                          top_logprobs_num, rid, stream)
+        if stream:
+            return self._stream_async(reqs[0], return_text_in_logprobs)
+        results = await asyncio.gather(*(self._await_one(req, return_text_in_logprobs) for req in reqs))
+        return results[0] if single else list(results)
+
+    def abort(self, rid: str) -> None:
+        self._send(AbortReq(rid))
+
+    def get_stats(self) -> dict[str, Any]:
+        """Scheduler counters: forward time, KV pool occupancy, running and waiting requests."""
+        return self._rpc("get_stats")
+
+    def flush_cache(self) -> bool:
+        return self._rpc("flush_cache")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._process.poll() is None:
+            try:
+                self._rpc("shutdown", timeout=30)
+                self._process.wait(timeout=10)
+            except (RuntimeError, OSError, TimeoutError, subprocess.TimeoutExpired):
+                self._process.kill()
+                self._process.wait()
+        self._conn.close()
+        self._fail_all(RuntimeError("engine was shut down"))
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.shutdown()
+
+    # -- plumbing -----------------------------------------------------------------------------------------
+
+    def _submit(self, req: TokenizedGenerateReq, return_text: bool, sink) -> RequestState:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        state = RequestState(req, self.tokenizer, return_text, sink)
+        with self._lock:
+            if req.rid in self._states:
+                raise ValueError(f"rid {req.rid!r} is already in flight")
+            self._states[req.rid] = state
+        self._send(req)
+        return state
+
+    @staticmethod
+    def _drain_until_finished(state: RequestState, sink: queue.Queue) -> None:
+        while True:
+            item = sink.get()
+            if isinstance(item, Exception):
+                raise item
+            if state.finished:
+                return
+
+    def _stream_sync(self, req: TokenizedGenerateReq, return_text: bool) -> Iterator[dict[str, Any]]:
+        sink: queue.Queue = queue.Queue()
+        state = self._submit(req, return_text, sink.put)
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            try:
+                while True:
+                    item = sink.get()
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+                    if item["meta_info"]["finish_reason"] is not None:
+                        return
+            finally:
+                if not state.finished:
+                    self.abort(req.rid)
+
+        return chunks()
+
+    async def _await_one(self, req: TokenizedGenerateReq, return_text: bool) -> dict[str, Any]:
+        state, sink = self._submit_async(req, return_text)
+        async for _ in self._consume_async(state, sink):
+            pass
+        return state.result()
+
+    async def _stream_async(self, req: TokenizedGenerateReq, return_text: bool) -> AsyncIterator[dict[str, Any]]:
+        state, sink = self._submit_async(req, return_text)
+        async for chunk in self._consume_async(state, sink):
+            yield chunk
+
+    def _submit_async(self, req: TokenizedGenerateReq, return_text: bool) -> tuple[RequestState, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        state = self._submit(req, return_text, lambda item: loop.call_soon_threadsafe(sink.put_nowait, item))
+        return state, sink
+
+    async def _consume_async(self, state: RequestState, sink: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item["meta_info"]["finish_reason"] is not None:
+                    return
+        finally:
+            if not state.finished:
+                self.abort(state.req.rid)
+
+    def _rpc(self, method: str, timeout: float = 60) -> Any:
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._rpc_waiters[call_id] = future
+        self._send(RpcReq(method, call_id))
+        return future.result(timeout=timeout)
+
+    def _send(self, message: Any) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _wait_ready(self) -> SchedulerReady:
+        try:
+            if not self._conn.poll(STARTUP_TIMEOUT_S):
+                raise TimeoutError(f"scheduler did not start within {STARTUP_TIMEOUT_S}s")
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"scheduler process exited with code {self._process.wait()} during start-up") from None
+        if isinstance(message, SchedulerError):
+            raise RuntimeError(f"scheduler failed to start:\n{message.message}")
+        return message
+
+    def _receive_loop(self) -> None:
+        while True:
+            try:
+                messages = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._closed:
+                    self._fail_all(RuntimeError(f"scheduler process died (exit code {self._process.wait()})"))
+                return
+            if isinstance(messages, SchedulerError):
+                self._fail_all(RuntimeError(f"scheduler crashed:\n{messages.message}"))
+                return
+            for message in messages:
+                self._dispatch(message)
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, RpcOut):
+            with self._lock:
+                future = self._rpc_waiters.pop(message.call_id, None)
+            if future is not None:
+                future.set_result(message.result)
+            return
+        with self._lock:
+            state = self._states.get(message.rid)
+        if state is None:  # already aborted on this side
+            return
+        state.apply(message)
+        if state.finished:
+            with self._lock:
+                self._states.pop(message.rid, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            states, self._states = list(self._states.values()), {}
+            waiters, self._rpc_waiters = list(self._rpc_waiters.values()), {}
+        for state in states:
+            state.fail(error)
+        for future in waiters:
+            future.set_exception(error)

@@ -1,0 +1,74 @@
+"""Messages between the engine (tokenizer side) and the scheduler process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling.params import SamplingParams
+
+# A logprob entry as COMPAT.md specifies: (logprob or None, token id, token text or None).
+LogprobTriple = tuple[float | None, int, str | None]
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    # First prompt position whose logprob is returned; -1 means the last prompt token only.
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class RpcReq:
+    """A control call answered with one RpcOut: `get_stats`, `flush_cache`, `shutdown`."""
+
+    method: str
+    call_id: int
+
+
+@dataclass
+class RpcOut:
+    call_id: int
+    result: Any
+
+
+@dataclass
+class ReqOutput:
+    """What one scheduler step produced for one request; logprob lists hold only the new entries."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_logprob_start: int = 0
+
+
+@dataclass
+class SchedulerReady:
+    """First message from the scheduler process: facts the engine needs to validate requests."""
+
+    max_total_tokens: int
+    max_req_len: int
+    context_length: int
+    vocab_size: int
+
+
+@dataclass
+class SchedulerError:
+    """The scheduler process failed to start or crashed; the engine surfaces this text."""
+
+    message: str

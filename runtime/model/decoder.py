@@ -1,0 +1,146 @@
+"""One decoder-only transformer that covers the Llama family; each architecture is a set of flags.
+
+Families differ only in attention biases, q/k norm and sliding windows, so one implementation with flags keeps
+every architecture on the same, tested forward path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..attention.base import AttentionBackend, ForwardBatch
+from .layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class Family:
+    qkv_bias: bool | None  # None: read config.attention_bias
+    o_bias: bool | None
+    qk_norm: bool = False
+    # Mistral-style configs carry a model-wide sliding_window with no per-layer types.
+    window_from_config: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(qkv_bias=None, o_bias=None),
+    "MistralForCausalLM": Family(qkv_bias=False, o_bias=False, window_from_config=True),
+    "Qwen2ForCausalLM": Family(qkv_bias=True, o_bias=False),
+    "Qwen3ForCausalLM": Family(qkv_bias=None, o_bias=False, qk_norm=True),
+}
+
+# HF checkpoint names that we store fused: (fused parameter, shard index).
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def layer_window(config, family: Family, layer_id: int) -> int | None:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return config.sliding_window if layer_types[layer_id] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None) if family.window_from_config else None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, family: Family, layer_id: int) -> None:
+        super().__init__()
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.self_attn = Attention(
+            config,
+            layer_id,
+            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            o_bias=attention_bias if family.o_bias is None else family.o_bias,
+            qk_norm=family.qk_norm,
+            sliding_window=layer_window(config, family, layer_id),
+        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, family: Family) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, family, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(config, head_dim)
+
+
+class DecoderForCausalLM(nn.Module):
+    """forward() returns final hidden states of all tokens; compute_logits() projects only the rows asked for."""
+
+    def __init__(self, config, family: Family) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, family)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        attn.init_forward_metadata(batch)
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.model.rotary(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (partly fused) parameters; every parameter must be covered."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            target, shard = _fused_target(name)
+            if target not in params:
+                if target == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+                    continue
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor)
+                else:
+                    param.narrow(0, *self._shard_range(target, shard)).copy_(tensor)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if getattr(self.config, "tie_word_embeddings", False):
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:8]}")
+
+    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
+        attn = self.model.layers[0].self_attn
+        if ".qkv_proj." in target:
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            size = self.model.layers[0].mlp.intermediate_size
+            sizes = [size, size]
+        return sum(sizes[:shard]), sizes[shard]
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    for hf_name, (fused, shard) in STACKED.items():
+        if f".{hf_name}." in name:
+            return name.replace(f".{hf_name}.", f".{fused}."), shard
+    return name, None

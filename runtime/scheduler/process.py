@@ -1,0 +1,49 @@
+"""The scheduler's own process, started with `python -m furcate.runtime.scheduler.process ADDRESS`.
+
+A fresh interpreter (not multiprocessing's spawn) means user scripts need no `if __name__ == "__main__"` guard:
+nothing of the caller's main module is re-imported here. The engine's listener hands over the arguments through
+an authenticated connection that then carries every message both ways.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from multiprocessing.connection import Client, Connection
+
+AUTHKEY_ENV = "FURCATE_SCHEDULER_AUTHKEY"
+
+
+def serve(conn: Connection) -> None:
+    import torch
+
+    from ..io import SchedulerError
+    from .scheduler import Scheduler
+
+    args, model_path, tokenizer_path = conn.recv()
+    logging.basicConfig(level=args.log_level.upper())
+    torch.set_num_threads(args.num_threads)
+    try:
+        scheduler = Scheduler(args, model_path, tokenizer_path, conn)
+        conn.send(scheduler.ready_message())
+        scheduler.event_loop()
+    except Exception:
+        conn.send(SchedulerError(traceback.format_exc()))
+        raise
+
+
+def main() -> None:
+    address = sys.argv[1]
+    conn = Client(address, authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    try:
+        serve(conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the engine went away; nothing is left to serve
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()

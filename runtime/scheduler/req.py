@@ -1,0 +1,93 @@
+"""A request as the scheduler tracks it: prompt, outputs so far, where its KV lives, and when it stops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..io import ReqOutput, TokenizedGenerateReq
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import SamplingRow
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_ids: frozenset[int]
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    kv_len: int = 0  # tokens whose K/V are in the pool; the newest sampled token has none yet
+    finish_reason: dict[str, Any] | None = None
+    pending: ReqOutput | None = None  # what the next message to the engine will carry
+
+    @classmethod
+    def from_tokenized(cls, req: TokenizedGenerateReq, seed: int, eos_ids: frozenset[int]) -> "Req":
+        return cls(
+            rid=req.rid,
+            input_ids=req.input_ids,
+            params=req.sampling_params,
+            seed=req.sampling_params.sampling_seed if req.sampling_params.sampling_seed is not None else seed,
+            eos_ids=eos_ids,
+            return_logprob=req.return_logprob,
+            logprob_start_len=req.logprob_start_len,
+            top_logprobs_num=req.top_logprobs_num,
+        )
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Token ids that end this request once min_new_tokens is met."""
+        ids = frozenset(self.params.stop_token_ids)
+        return ids if self.params.ignore_eos else ids | self.eos_ids
+
+    @property
+    def max_tokens_needed(self) -> int:
+        """KV slots this request can ever hold: the whole prompt plus every output token but the last."""
+        return len(self.input_ids) + max(self.params.max_new_tokens - 1, 0)
+
+    @property
+    def input_logprob_start(self) -> int:
+        """First prompt position whose logprob is reported (SGLang: -1 means the last prompt token)."""
+        start = self.logprob_start_len if self.logprob_start_len >= 0 else len(self.input_ids) - 1
+        return min(start, len(self.input_ids) - 1)
+
+    def sampling_row(self) -> SamplingRow:
+        return SamplingRow(self.params, self.input_ids, self.output_ids, self.seed, self.stop_token_ids)
+
+    def output(self) -> ReqOutput:
+        if self.pending is None:
+            self.pending = ReqOutput(rid=self.rid, new_token_ids=[])
+        return self.pending
+
+    def append_token(self, token: int, decode_tail: Callable[[list[int], bool], str], context_length: int) -> None:
+        self.output_ids.append(token)
+        self.output().new_token_ids.append(token)
+        self.finish_reason = self._check_finished(token, decode_tail, context_length)
+
+    def _check_finished(self, token: int, decode_tail: Callable[[list[int], bool], str], context_length: int):
+        params = self.params
+        if len(self.output_ids) >= params.min_new_tokens:
+            if token in self.stop_token_ids:
+                return {"type": "stop", "matched": token}
+            if params.stop:
+                # A stop string can end inside a multi-token span, so decode a tail long enough to hold any.
+                window = max(len(s) for s in params.stop) + 2
+                tail = decode_tail(self.output_ids[-window:], params.skip_special_tokens)
+                for stop in params.stop:
+                    if stop in tail:
+                        return {"type": "stop", "matched": stop}
+        if len(self.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        if len(self.input_ids) + len(self.output_ids) >= context_length:
+            return {"type": "length", "length": len(self.output_ids)}
+        return None

@@ -1,0 +1,51 @@
+"""Tiny random-weight models of every supported architecture, saved as real HF model directories."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    # Larger than the usual 0.02, so logits are peaked and greedy choices are far from ties.
+    initializer_range=0.3,
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(
+        **COMMON,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128,
+        },
+    ),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+    # A short window so prompts in the tests cross it.
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=24, tie_word_embeddings=False),
+}
+
+
+def build_tiny_model(arch: str, directory: Path, tokenizer_dir: Path) -> Path:
+    torch.manual_seed(0)
+    config = CONFIGS[arch]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, directory / name)
+    return directory

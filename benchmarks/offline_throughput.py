@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import random
 import tempfile
@@ -47,6 +48,36 @@ class Result:
     wall_seconds: float
     output_tok_s: float
     total_tok_s: float
+    foreign_cpu_seconds: float  # CPU time other processes took meanwhile; far above 0 means a disturbed run
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes have used since boot (the first /proc/stat line, less idle and iowait)."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """Measures how much CPU processes other than ours (this one and `pids`) used between start and stop.
+
+    The benchmark runs on shared machines, where a concurrent job silently skews either system's number.
+    """
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = [os.getpid(), *pids]
+        self.started = self._sample()
+
+    def _sample(self) -> tuple[float, float]:
+        return machine_busy_seconds(), sum(process_cpu_seconds(pid) for pid in self.pids)
+
+    def foreign_seconds(self) -> float:
+        busy, ours = self._sample()
+        return max(0.0, (busy - self.started[0]) - (ours - self.started[1]))
 
 
 def chat_ids(tokenizer, words: list[str], instruction: str) -> list[int]:
@@ -72,8 +103,9 @@ def build_workload(tokenizer, num_prompts: int, seed: int, prompt_range: tuple[i
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_prompts)])
 
 
-def throughput(workload: Workload, seconds: float) -> Result:
-    return Result(seconds, workload.output_tokens / seconds, (workload.prompt_tokens + workload.output_tokens) / seconds)
+def throughput(workload: Workload, seconds: float, foreign_cpu_seconds: float) -> Result:
+    total_tokens = workload.prompt_tokens + workload.output_tokens
+    return Result(seconds, workload.output_tokens / seconds, total_tokens / seconds, foreign_cpu_seconds)
 
 
 def with_architectures(model_dir: pathlib.Path) -> pathlib.Path:
@@ -100,13 +132,13 @@ def run_furcate(workload: Workload, model_dir: str, threads: int) -> tuple[Resul
         engine.generate(input_ids=workload.prompts[:2], sampling_params={"max_new_tokens": 4, "temperature": 0})
         params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in workload.output_lens]
         forward_before = engine.get_stats()["forward_seconds"]
-        started = time.perf_counter()
+        meter, started = CpuMeter([engine._process.pid]), time.perf_counter()
         outputs = engine.generate(input_ids=workload.prompts, sampling_params=params)
-        seconds = time.perf_counter() - started
+        seconds, foreign = time.perf_counter() - started, meter.foreign_seconds()
         forward_seconds = engine.get_stats()["forward_seconds"] - forward_before
     tokens = [out["output_ids"] for out in outputs]
     assert [len(t) for t in tokens] == workload.output_lens, "furcate did not honour max_new_tokens"
-    return throughput(workload, seconds), forward_seconds / seconds, tokens
+    return throughput(workload, seconds, foreign), forward_seconds / seconds, tokens
 
 
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> list[list[int]]:
@@ -130,20 +162,21 @@ def run_hf(workload: Workload, model_dir: str, batch_size: int) -> tuple[Result,
     tokens: list[list[int]] = []
     with torch.inference_mode():
         hf_generate(model, workload.prompts[:2], 4, pad_id)
-        started = time.perf_counter()
+        meter, started = CpuMeter([]), time.perf_counter()
         for start in range(0, len(workload.prompts), batch_size):
             lens = workload.output_lens[start : start + batch_size]
             rows = hf_generate(model, workload.prompts[start : start + batch_size], max(lens), pad_id)
             tokens.extend(row[:n] for row, n in zip(rows, lens))
-        seconds = time.perf_counter() - started
-    return throughput(workload, seconds), tokens
+        seconds, foreign = time.perf_counter() - started, meter.foreign_seconds()
+    return throughput(workload, seconds, foreign), tokens
 
 
 def print_table(furcate: Result, hf: Result | None, forward_share: float) -> None:
-    print(f"{'system':<10}{'wall s':>10}{'output tok/s':>15}{'total tok/s':>15}")
-    for name, result in (("furcate", furcate), ("hf", hf)):
-        if result is not None:
-            print(f"{name:<10}{result.wall_seconds:>10.2f}{result.output_tok_s:>15.1f}{result.total_tok_s:>15.1f}")
+    print(f"{'system':<10}{'wall s':>10}{'output tok/s':>15}{'total tok/s':>15}{'foreign cpu s':>15}")
+    for name, r in (("furcate", furcate), ("hf", hf)):
+        if r is not None:
+            print(f"{name:<10}{r.wall_seconds:>10.2f}{r.output_tok_s:>15.1f}{r.total_tok_s:>15.1f}"
+                  f"{r.foreign_cpu_seconds:>15.1f}")
     if hf is not None:
         print(f"furcate / hf output tok/s: {furcate.output_tok_s / hf.output_tok_s:.2f}x")
     print(f"furcate wall time in model forward: {forward_share:.1%}")

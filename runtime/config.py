@@ -7,7 +7,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-SCHEDULE_POLICIES = ("fcfs", "lof", "random")
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -26,7 +26,16 @@ class EngineArgs:
     mem_fraction_static: float = 0.2
     max_running_requests: int = 128
     max_prefill_tokens: int = 16384
-    schedule_policy: str = "fcfs"
+    # Prompts longer than this are prefilled in chunks, one per step, while decoding continues; -1 disables.
+    chunked_prefill_size: int = 2048
+    enable_mixed_chunk: bool = False
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    # Share of a request's remaining max_new_tokens reserved at admission; it decays towards the minimum
+    # while memory lasts and jumps back up after a retraction.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.14
+    new_token_ratio_decay_steps: int = 600
     attention_backend: str = "torch_native"
     random_seed: int = 0
     torch_num_threads: int | None = None
@@ -52,6 +61,11 @@ class EngineArgs:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(f"chunked_prefill_size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
+        if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
+            raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
+                             f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
 
     @property
     def num_threads(self) -> int:

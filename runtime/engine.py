@@ -113,7 +113,12 @@ class Engine:
         return self._rpc("get_stats")
 
     def flush_cache(self) -> bool:
+        """Drop the prefix cache; False (nothing done) while requests are in flight."""
         return self._rpc("flush_cache")
+
+    def check_integrity(self) -> bool:
+        """Verify the scheduler's KV bookkeeping (every slot free, cached or owned by one request)."""
+        return self._rpc("check_integrity")
 
     def shutdown(self) -> None:
         if self._closed:

@@ -34,11 +34,15 @@ def tokenizer(default_model_dir):
 
 
 def assert_pool_free(engine: Engine) -> None:
-    """The invariant every test ends with: no KV slot or request slot is still held."""
+    """The invariant every test ends with: every KV slot is free or cached unlocked, and a flush frees all."""
+    assert engine.check_integrity()
     stats = engine.get_stats()
     assert stats["running"] == 0 and stats["waiting"] == 0, stats
-    assert stats["kv_available"] == stats["max_total_tokens"], stats
+    assert stats["protected_tokens"] == 0, stats
+    assert stats["kv_available"] + stats["evictable_tokens"] == stats["max_total_tokens"], stats
     assert stats["req_slots_available"] == stats["max_running_requests"], stats
+    assert engine.flush_cache()
+    assert engine.get_stats()["kv_available"] == stats["max_total_tokens"]
 
 
 @pytest.fixture(scope="module")

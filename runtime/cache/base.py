@@ -36,6 +36,9 @@ class PrefixCache(Protocol):
 
     def protected_size(self) -> int: ...
 
+    def owned_slots(self) -> torch.Tensor:
+        """Every KV slot the cache itself holds."""
+
     def flush(self) -> bool:
         """Drop everything cached; refused (False) while any request holds a lock."""
 

@@ -45,6 +45,9 @@ class ChunkCache:
     def protected_size(self) -> int:
         return 0
 
+    def owned_slots(self) -> torch.Tensor:
+        return EMPTY
+
     def flush(self) -> bool:
         return True
 

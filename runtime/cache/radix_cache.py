@@ -186,6 +186,10 @@ class RadixCache:
         self.reset()
         return True
 
+    def owned_slots(self) -> torch.Tensor:
+        values = [n.value for n in self._nodes() if n is not self.root]
+        return torch.cat(values) if values else EMPTY
+
     def _nodes(self) -> list[TreeNode]:
         stack, nodes = [self.root], []
         while stack:

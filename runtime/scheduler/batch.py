@@ -1,10 +1,12 @@
 """A batch the scheduler hands to the model runner: which requests, and which of their tokens to compute.
 
-Building a batch allocates the KV slots of its new tokens and records them in the request-to-token table.
+Prefill chunks and decode steps are the same thing here, a slice of a request's fill_ids: decode is a slice of
+one token. So one builder serves prefill, decode and mixed batches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,71 +17,73 @@ from .req import Req
 
 
 @dataclass
+class ReqSlice:
+    req: Req
+    start: int  # first position of fill_ids computed in this forward (== req.kv_len before it)
+    length: int
+    samples: bool  # the slice reaches the end of fill_ids, so its last row gives the next token
+    input_rows: range  # positions whose logits give reported prompt logprobs
+
+    @classmethod
+    def next_of(cls, req: Req, max_length: int | None = None) -> "ReqSlice":
+        """The next slice of a request: the rest of its fill_ids, cut at max_length."""
+        remaining = len(req.input_ids) + len(req.output_ids) - req.kv_len
+        length = remaining if max_length is None else min(remaining, max_length)
+        return cls(req, req.kv_len, length, length == remaining, req.input_logprob_rows(req.kv_len, length))
+
+    @property
+    def logit_rows(self) -> range:
+        """Positions whose logits are needed; contiguous, since prompt rows end where the sampling row starts."""
+        end = self.start + self.length
+        if self.input_rows:
+            return range(self.input_rows.start, end if self.samples else self.input_rows.stop)
+        return range(end - 1, end) if self.samples else range(0)
+
+
+@dataclass
 class ScheduleBatch:
-    reqs: list[Req]
+    slices: list[ReqSlice]
     forward: ForwardBatch
-    is_prefill: bool
-    # For each request, the range of its packed tokens whose logits are needed (input logprobs + next token).
-    logit_ranges: list[range]
+    logit_ranges: list[range]  # per slice, rows of the packed tokens whose logits are computed
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [s.req for s in self.slices]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.forward.extend_lens.sum())
 
 
-def build_prefill(reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> ScheduleBatch:
-    """Whole prompts of newly admitted requests; the caller has checked that the pools have room."""
-    extend_lens = [len(r.input_ids) for r in reqs]
-    slots = kv_pool.alloc(sum(extend_lens))
-    assert slots is not None, "admission must guarantee KV room for a prefill"
+def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
+                alloc: Callable[[int], torch.Tensor]) -> ScheduleBatch:
+    """Allocate KV slots for every slice's new tokens, record them in the table, and lay out the forward."""
+    lengths = [s.length for s in slices]
+    slots = alloc(sum(lengths))
+    input_ids: list[int] = []
+    logit_ranges: list[range] = []
     offset = 0
-    logit_ranges = []
-    for req, n in zip(reqs, extend_lens):
-        req.req_pool_idx = req_pool.alloc()
-        assert req.req_pool_idx is not None, "admission must guarantee a request slot"
-        req_pool.req_to_token[req.req_pool_idx, :n] = slots[offset : offset + n]
-        req.kv_len = n
-        first = max(req.input_logprob_start, 1) - 1 if req.return_logprob else n - 1
-        logit_ranges.append(range(offset + first, offset + n))
-        offset += n
+    for piece in slices:
+        req = piece.req
+        end = piece.start + piece.length
+        input_ids.extend(req.fill_ids[piece.start : end])
+        req_pool.req_to_token[req.req_pool_idx, piece.start : end] = slots[offset : offset + piece.length]
+        rows = piece.logit_rows
+        shift = offset - piece.start
+        logit_ranges.append(range(rows.start + shift, rows.stop + shift) if rows else range(0))
+        req.kv_len = end
+        offset += piece.length
+    starts = torch.tensor([s.start for s in slices], dtype=torch.long)
+    extend_lens = torch.tensor(lengths, dtype=torch.long)
     forward = ForwardBatch(
-        input_ids=torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.long),
-        positions=torch.cat([torch.arange(n) for n in extend_lens]),
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.cat([torch.arange(s.start, s.start + s.length) for s in slices]),
         out_cache_loc=slots,
-        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long),
-        prefix_lens=torch.zeros(len(reqs), dtype=torch.long),
-        extend_lens=torch.tensor(extend_lens, dtype=torch.long),
-        seq_lens=torch.tensor(extend_lens, dtype=torch.long),
+        req_pool_indices=torch.tensor([s.req.req_pool_idx for s in slices], dtype=torch.long),
+        prefix_lens=starts,
+        extend_lens=extend_lens,
+        seq_lens=starts + extend_lens,
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
     )
-    return ScheduleBatch(reqs, forward, True, logit_ranges)
-
-
-def build_decode(reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> ScheduleBatch:
-    """One new token per running request: the last sampled token, whose K/V is computed now."""
-    slots = kv_pool.alloc(len(reqs))
-    assert slots is not None, "admission reserves every running request's output tokens"
-    positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.long)
-    pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long)
-    req_pool.req_to_token[pool_indices, positions] = slots
-    for req in reqs:
-        req.kv_len += 1
-    forward = ForwardBatch(
-        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long),
-        positions=positions,
-        out_cache_loc=slots,
-        req_pool_indices=pool_indices,
-        prefix_lens=positions,
-        extend_lens=torch.ones(len(reqs), dtype=torch.long),
-        seq_lens=positions + 1,
-        req_to_token_pool=req_pool,
-        token_to_kv_pool=kv_pool,
-    )
-    return ScheduleBatch(reqs, forward, False, [range(i, i + 1) for i in range(len(reqs))])
-
-
-def release(req: Req, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> None:
-    """Free a finished or aborted request's KV slots and table row."""
-    if req.req_pool_idx is None:
-        return
-    kv_pool.free(req_pool.req_to_token[req.req_pool_idx, : req.kv_len].clone())
-    req_pool.free(req.req_pool_idx)
-    req.req_pool_idx = None
-    req.kv_len = 0
+    return ScheduleBatch(slices, forward, logit_ranges)

@@ -13,18 +13,20 @@ from ..config import EngineArgs
 from ..model.loader import load_config, load_model, resolve_dtype
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import sample
-from .batch import ScheduleBatch
+from .batch import ReqSlice, ScheduleBatch
 
 ATTENTION_BACKENDS = {"torch_native": TorchNativeAttention}
 
 
 @dataclass
 class StepResult:
-    next_ids: list[int]
-    output_logprobs: dict[int, float] = field(default_factory=dict)  # batch index -> logprob
+    """Per slice index: the sampled token (for slices that sample) and the logprobs asked for."""
+
+    next_ids: dict[int, int] = field(default_factory=dict)
+    output_logprobs: dict[int, float] = field(default_factory=dict)
     output_top: dict[int, TopEntries] = field(default_factory=dict)
-    input_logprobs: dict[int, list[float | None]] = field(default_factory=dict)
-    input_top: dict[int, list[TopEntries | None]] = field(default_factory=dict)
+    input_logprobs: dict[int, list[float]] = field(default_factory=dict)
+    input_top: dict[int, list[TopEntries]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -58,31 +60,33 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         self.forward_seconds += time.perf_counter() - started
         self.forward_calls += 1
-        ends = torch.tensor([len(r) for r in batch.logit_ranges]).cumsum(0)
-        next_logits = logits[ends - 1]
-        next_ids = sample(next_logits, [req.sampling_row() for req in batch.reqs])
-        result = StepResult(next_ids=next_ids.tolist())
-        for b, req in enumerate(batch.reqs):
-            if req.return_logprob:
-                self._add_logprobs(result, b, req, logits[int(ends[b]) - len(batch.logit_ranges[b]) : int(ends[b])],
-                                   next_ids[b], batch.is_prefill)
+        per_slice = logits.split([len(r) for r in batch.logit_ranges])
+        result = StepResult()
+        sampling = [b for b, piece in enumerate(batch.slices) if piece.samples]
+        if sampling:
+            next_logits = torch.stack([per_slice[b][-1] for b in sampling])
+            next_ids = sample(next_logits, [batch.slices[b].req.sampling_row() for b in sampling])
+            result.next_ids = dict(zip(sampling, next_ids.tolist()))
+        for b, piece in enumerate(batch.slices):
+            if piece.req.return_logprob and len(per_slice[b]):
+                self._add_logprobs(result, b, piece, per_slice[b])
         return result
 
-    def _add_logprobs(self, result: StepResult, b: int, req, req_logits: torch.Tensor, next_id: torch.Tensor,
-                      is_prefill: bool) -> None:
-        logprobs = torch.log_softmax(req_logits, dim=-1)
-        result.output_logprobs[b] = token_logprobs(logprobs[-1:], next_id.view(1))[0]
-        result.output_top[b] = top_logprobs(logprobs[-1:], req.top_logprobs_num)[0]
-        if not is_prefill:
-            return
-        start = req.input_logprob_start
-        # Row j predicts prompt token j + 1; position 0 has no logprob.
-        targets = torch.tensor(req.input_ids[max(start, 1) :], dtype=torch.long)
-        prompt_rows = logprobs[:-1]
-        head: list = [None] if start == 0 else []
-        result.input_logprobs[b] = head + token_logprobs(prompt_rows, targets)
-        if req.top_logprobs_num > 0:
-            result.input_top[b] = head + top_logprobs(prompt_rows, req.top_logprobs_num)
+    @staticmethod
+    def _add_logprobs(result: StepResult, b: int, piece: ReqSlice, slice_logits: torch.Tensor) -> None:
+        req = piece.req
+        logprobs = torch.log_softmax(slice_logits, dim=-1)
+        if piece.samples:
+            chosen = torch.tensor([result.next_ids[b]])
+            result.output_logprobs[b] = token_logprobs(logprobs[-1:], chosen)[0]
+            result.output_top[b] = top_logprobs(logprobs[-1:], req.top_logprobs_num)[0]
+        if piece.input_rows:
+            prompt_rows = logprobs[: len(piece.input_rows)]
+            # Row p predicts prompt token p + 1.
+            targets = torch.tensor(req.input_ids[piece.input_rows.start + 1 : piece.input_rows.stop + 1])
+            result.input_logprobs[b] = token_logprobs(prompt_rows, targets)
+            if req.top_logprobs_num > 0:
+                result.input_top[b] = top_logprobs(prompt_rows, req.top_logprobs_num)
 
 
 def available_memory_bytes() -> int:

@@ -6,9 +6,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..io import ReqOutput, TokenizedGenerateReq
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
+
+EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -23,7 +27,15 @@ class Req:
     top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
-    kv_len: int = 0  # tokens whose K/V are in the pool; the newest sampled token has none yet
+    kv_len: int = 0  # tokens of fill_ids whose K/V are in the pool; the newest sampled token has none yet
+    # The cached prefix this request reads (slots owned by the prefix cache) and the node locking it.
+    prefix_indices: torch.Tensor = field(default_factory=lambda: EMPTY_SLOTS)
+    last_node: Any = None
+    cached_tokens: int = -1  # prefix cache hit at first admission; -1 until admitted
+    # Prompt logprobs gathered chunk by chunk; sent once the whole prompt has been computed.
+    input_logprob_values: list[float] = field(default_factory=list)
+    input_top_values: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs_sent: bool = False
     finish_reason: dict[str, Any] | None = None
     pending: ReqOutput | None = None  # what the next message to the engine will carry
 
@@ -51,9 +63,33 @@ class Req:
         return ids if self.params.ignore_eos else ids | self.eos_ids
 
     @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose K/V the request needs before it can sample again (a retracted request's outputs
+        are recomputed with its prompt)."""
+        return self.input_ids + self.output_ids
+
+    def token_ids_with_kv(self) -> list[int]:
+        return self.fill_ids[: self.kv_len]
+
+    @property
+    def remaining_output(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+
+    @property
     def max_tokens_needed(self) -> int:
         """KV slots this request can ever hold: the whole prompt plus every output token but the last."""
         return len(self.input_ids) + max(self.params.max_new_tokens - 1, 0)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and not self.input_logprobs_sent
+
+    def input_logprob_rows(self, start: int, length: int) -> range:
+        """Positions in [start, start + length) whose logits give a reported prompt logprob (row p predicts p+1)."""
+        if not self.wants_input_logprobs:
+            return range(0)
+        first = max(self.input_logprob_start, 1) - 1
+        return range(max(first, start), min(len(self.input_ids) - 1, start + length))
 
     @property
     def input_logprob_start(self) -> int:

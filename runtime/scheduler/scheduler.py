@@ -12,11 +12,15 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from ..cache.chunk_cache import ChunkCache
+from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
 from ..io import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
-from .batch import ScheduleBatch, build_decode, build_prefill, release
+from .batch import ReqSlice, ScheduleBatch, build_batch
+from .memory import MemoryManager
 from .model_runner import ModelRunner, StepResult
 from .policy import order_waiting
+from .prefill_adder import PrefillAdder
 from .req import Req
 
 logger = logging.getLogger("furcate.scheduler")
@@ -30,10 +34,17 @@ class Scheduler:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.eos_ids = eos_token_ids(self.runner.config, self.tokenizer)
         self.max_req_len = min(self.runner.context_length, self.runner.max_total_tokens)
+        cache_type = ChunkCache if args.disable_radix_cache else RadixCache
+        self.cache = cache_type(self.runner.req_pool, self.runner.kv_pool)
+        self.memory = MemoryManager(args, self.cache, self.runner.req_pool, self.runner.kv_pool)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.last_batch_prefilled = False
         self.rng = random.Random(args.random_seed)
-        self.outputs: list[ReqOutput] = []
+        self.outputs: list[Any] = []
+        self.cached_tokens_total = 0
+        self.prompt_tokens_total = 0
 
     def ready_message(self) -> SchedulerReady:
         return SchedulerReady(
@@ -43,11 +54,15 @@ class Scheduler:
             vocab_size=self.runner.vocab_size,
         )
 
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req)
+
     # -- the loop -------------------------------------------------------------------------------------------
 
     def event_loop(self) -> None:
         while True:
-            for message in receive(self.conn, block=not (self.waiting or self.running)):
+            for message in receive(self.conn, block=self.idle):
                 if isinstance(message, RpcReq) and message.method == "shutdown":
                     self.conn.send([RpcOut(message.call_id, True)])
                     return
@@ -76,13 +91,16 @@ class Scheduler:
             raise TypeError(f"scheduler got an unknown message {type(message).__name__}")
 
     def abort(self, rid: str) -> None:
-        for queue_ in (self.waiting, self.running):
-            for req in [r for r in queue_ if r.rid == rid]:
-                queue_.remove(req)
-                release(req, self.runner.req_pool, self.runner.kv_pool)
-                req.finish_reason = {"type": "abort", "message": "aborted by request"}
-                req.output().finish_reason = req.finish_reason
-                self.outputs.append(req.output())
+        matches = [r for r in self.waiting + self.running + [self.chunked_req] if r is not None and r.rid == rid]
+        for req in matches:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:
+                self.memory.release(req)
+            self.running = [r for r in self.running if r is not req]
+            if self.chunked_req is req:
+                self.chunked_req = None
+            self.finish(req, {"type": "abort", "message": "aborted by request"})
 
     def rpc_get_stats(self) -> dict[str, Any]:
         runner = self.runner
@@ -91,74 +109,139 @@ class Scheduler:
             "forward_calls": runner.forward_calls,
             "kv_available": runner.kv_pool.available_size(),
             "max_total_tokens": runner.max_total_tokens,
+            "evictable_tokens": self.cache.evictable_size(),
+            "protected_tokens": self.cache.protected_size(),
             "req_slots_available": runner.req_pool.available_size(),
             "max_running_requests": self.args.max_running_requests,
             "running": len(self.running),
-            "waiting": len(self.waiting),
+            "waiting": len(self.waiting) + (self.chunked_req is not None),
+            "num_retractions": self.memory.num_retractions,
+            "new_token_ratio": self.memory.new_token_ratio,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "cached_tokens_total": self.cached_tokens_total,
         }
 
     def rpc_flush_cache(self) -> bool:
-        """With no prefix cache, nothing outlives its request: flushing succeeds whenever the engine is idle."""
-        return not (self.waiting or self.running)
+        """Drop the prefix cache; refused while requests are in flight (they hold parts of it)."""
+        return self.idle and self.cache.flush()
+
+    def rpc_check_integrity(self) -> bool:
+        self.memory.check_integrity(self.running + ([self.chunked_req] if self.chunked_req else []))
+        return True
 
     # -- batching -------------------------------------------------------------------------------------------
 
     def next_batch(self) -> ScheduleBatch | None:
-        admitted = self.admit()
-        if admitted:
-            return build_prefill(admitted, self.runner.req_pool, self.runner.kv_pool)
-        if self.running:
-            return build_decode(self.running, self.runner.req_pool, self.runner.kv_pool)
-        return None
+        # Without mixed batches, a long chunked prefill alternates with decode steps so decoding never stalls.
+        yield_to_decode = (self.chunked_req is not None and self.last_batch_prefilled and self.running
+                           and not self.args.enable_mixed_chunk)
+        slices = [] if yield_to_decode else self.admit()
+        self.last_batch_prefilled = bool(slices)
+        if not slices or self.args.enable_mixed_chunk:
+            self.memory.make_decode_room(self.running, self.retract)
+            slices += [ReqSlice.next_of(req) for req in self.running]
+        if not slices:
+            return None
+        return build_batch(slices, self.runner.req_pool, self.runner.kv_pool, self.memory.alloc)
 
-    def admit(self) -> list[Req]:
-        """Admit waiting requests in policy order while their whole prompt and output fit in free KV memory.
-
-        Every running request keeps a reservation for the rest of its output, so decode never runs out of slots.
-        """
-        if not self.waiting:
+    def admit(self) -> list[ReqSlice]:
+        if not self.waiting and self.chunked_req is None:
             return []
-        reserved = sum(r.max_tokens_needed - r.kv_len for r in self.running)
-        free = self.runner.kv_pool.available_size() - reserved
-        slots = min(self.runner.req_pool.available_size(), self.args.max_running_requests - len(self.running))
-        admitted: list[Req] = []
-        prefill_tokens = 0
-        for req in order_waiting(self.waiting, self.args.schedule_policy, self.rng):
-            too_many_tokens = admitted and prefill_tokens + len(req.input_ids) > self.args.max_prefill_tokens
-            if len(admitted) >= slots or req.max_tokens_needed > free or too_many_tokens:
+        adder = PrefillAdder(self.cache, self.runner.req_pool, self.runner.kv_pool, self.running,
+                             self.memory.new_token_ratio, self.args.max_prefill_tokens,
+                             self.args.chunked_prefill_size, self.args.max_running_requests)
+        if self.chunked_req is not None:
+            adder.add_chunked(self.chunked_req)
+        for req in self.waiting:
+            self.match_prefix(req)
+        root = self.cache.root if isinstance(self.cache, RadixCache) else None
+        check_sharing = root is not None and self.args.schedule_policy in ("lpm", "dfs-weight")
+        for req in order_waiting(self.waiting, self.args.schedule_policy, self.rng, root):
+            if self.chunked_req is not None or adder.chunked_req is not None:
+                break  # one chunked prompt at a time
+            if not adder.add(req, check_sharing):
                 break
-            admitted.append(req)
-            free -= req.max_tokens_needed
-            prefill_tokens += len(req.input_ids)
-        for req in admitted:
-            self.waiting.remove(req)
-        return admitted
+        admitted = {id(p.req) for p in adder.slices}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        return adder.slices
+
+    def match_prefix(self, req: Req) -> None:
+        """Match the longest cached prefix, leaving at least one token to compute (its logits pick the next
+        token) and every prompt position whose logprob was asked for."""
+        fill = req.fill_ids
+        limit = len(fill) - 1
+        if req.wants_input_logprobs:
+            limit = min(limit, max(req.input_logprob_start, 1) - 1)
+        match = self.cache.match_prefix(fill[:limit])
+        req.prefix_indices, req.last_node = match.indices, match.last_node
+
+    def retract(self, req: Req) -> None:
+        """Give up a running request's KV (cached where possible) and put it back at the head of the queue."""
+        self.running.remove(req)
+        self.memory.release(req)
+        self.waiting.insert(0, req)
 
     # -- results --------------------------------------------------------------------------------------------
 
     def process_result(self, batch: ScheduleBatch, result: StepResult) -> None:
-        for b, req in enumerate(batch.reqs):
+        running = {id(r) for r in self.running}
+        if self.chunked_req is not None and any(p.req is self.chunked_req for p in batch.slices):
+            self.chunked_req = None
+        for b, piece in enumerate(batch.slices):
+            req = piece.req
+            if b in result.input_logprobs:
+                req.input_logprob_values.extend(result.input_logprobs[b])
+                req.input_top_values.extend(result.input_top.get(b, []))
+            if not piece.samples:
+                self.cache.cache_unfinished_req(req)  # the finished part is shareable at once
+                self.chunked_req = req
+                continue
+            if id(req) not in running:
+                self.finish_prefill(req)
+                if req.finished:
+                    continue
+            req.append_token(result.next_ids[b], self.decode_tail, self.runner.context_length)
             out = req.output()
-            if batch.is_prefill:
-                out.prompt_tokens = len(req.input_ids)
-                out.input_logprobs = result.input_logprobs.get(b)
-                out.input_top_logprobs = result.input_top.get(b)
-                out.input_logprob_start = req.input_logprob_start
-            if batch.is_prefill and req.params.max_new_tokens == 0:
-                req.finish_reason = {"type": "length", "length": 0}
-            else:
-                req.append_token(result.next_ids[b], self.decode_tail, self.runner.context_length)
-                if b in result.output_logprobs:
-                    out.output_logprobs.append(result.output_logprobs[b])
-                    out.output_top_logprobs.append(result.output_top[b])
+            if b in result.output_logprobs:
+                out.output_logprobs.append(result.output_logprobs[b])
+                out.output_top_logprobs.append(result.output_top[b])
             if req.finished:
-                out.finish_reason = req.finish_reason
-                release(req, self.runner.req_pool, self.runner.kv_pool)
-            elif batch.is_prefill:
+                self.memory.release(req)
+                self.finish(req, req.finish_reason)
+            elif id(req) not in running:
                 self.running.append(req)
-            self.outputs.append(out)
-            req.pending = None
         self.running = [r for r in self.running if not r.finished]
+        for req in self.running:
+            if req.pending is not None:
+                self.outputs.append(req.pending)
+                req.pending = None
+
+    def finish_prefill(self, req: Req) -> None:
+        """First time a request reaches the end of its prompt: report prompt facts, cache the prompt."""
+        out = req.output()
+        if not req.output_ids:  # a retracted request resuming has reported these already
+            out.prompt_tokens = len(req.input_ids)
+            out.cached_tokens = req.cached_tokens
+            self.prompt_tokens_total += len(req.input_ids)
+            self.cached_tokens_total += req.cached_tokens
+        if req.wants_input_logprobs:
+            start = req.input_logprob_start
+            out.input_logprob_start = start
+            out.input_logprobs = ([None] if start == 0 else []) + req.input_logprob_values
+            if req.top_logprobs_num > 0:
+                out.input_top_logprobs = ([None] if start == 0 else []) + req.input_top_values
+            req.input_logprobs_sent = True
+        self.cache.cache_unfinished_req(req)
+        if req.params.max_new_tokens == 0:
+            self.memory.release(req)
+            self.finish(req, {"type": "length", "length": 0})
+
+    def finish(self, req: Req, reason: dict[str, Any]) -> None:
+        req.finish_reason = reason
+        out = req.output()
+        out.finish_reason = reason
+        self.outputs.append(out)
+        req.pending = None
 
     def decode_tail(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

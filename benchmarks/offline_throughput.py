@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import pathlib
@@ -62,14 +63,20 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def own_pids() -> list[int]:
+    """This process and its children (furcate's scheduler process)."""
+    children = [pathlib.Path(f).read_text().split() for f in glob.glob("/proc/self/task/*/children")]
+    return [os.getpid(), *(int(pid) for pids in children for pid in pids)]
+
+
 class CpuMeter:
-    """Measures how much CPU processes other than ours (this one and `pids`) used between start and stop.
+    """How much CPU processes other than ours used since creation.
 
     The benchmark runs on shared machines, where a concurrent job silently skews either system's number.
     """
 
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = [os.getpid(), *pids]
+    def __init__(self) -> None:
+        self.pids = own_pids()
         self.started = self._sample()
 
     def _sample(self) -> tuple[float, float]:
@@ -132,7 +139,7 @@ def run_furcate(workload: Workload, model_dir: str, threads: int) -> tuple[Resul
         engine.generate(input_ids=workload.prompts[:2], sampling_params={"max_new_tokens": 4, "temperature": 0})
         params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in workload.output_lens]
         forward_before = engine.get_stats()["forward_seconds"]
-        meter, started = CpuMeter([engine._process.pid]), time.perf_counter()
+        meter, started = CpuMeter(), time.perf_counter()
         outputs = engine.generate(input_ids=workload.prompts, sampling_params=params)
         seconds, foreign = time.perf_counter() - started, meter.foreign_seconds()
         forward_seconds = engine.get_stats()["forward_seconds"] - forward_before
@@ -162,7 +169,7 @@ def run_hf(workload: Workload, model_dir: str, batch_size: int) -> tuple[Result,
     tokens: list[list[int]] = []
     with torch.inference_mode():
         hf_generate(model, workload.prompts[:2], 4, pad_id)
-        meter, started = CpuMeter([]), time.perf_counter()
+        meter, started = CpuMeter(), time.perf_counter()
         for start in range(0, len(workload.prompts), batch_size):
             lens = workload.output_lens[start : start + batch_size]
             rows = hf_generate(model, workload.prompts[start : start + batch_size], max(lens), pad_id)

@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import random
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -115,37 +114,26 @@ def throughput(workload: Workload, seconds: float, foreign_cpu_seconds: float) -
     return Result(seconds, workload.output_tokens / seconds, total_tokens / seconds, foreign_cpu_seconds)
 
 
-def with_architectures(model_dir: pathlib.Path) -> pathlib.Path:
-    """model_dir, or a linked copy whose config.json names the architecture, which furcate's loader requires.
-
-    The converted default model's config.json lacks "architectures" (LlamaConfig.save_pretrained omits it).
-    """
-    config = json.loads((model_dir / "config.json").read_text())
-    if config.get("architectures"):
-        return model_dir
-    patched = pathlib.Path(tempfile.mkdtemp(prefix="furcate-bench-model-"))
-    for file in model_dir.iterdir():
-        (patched / file.name).symlink_to(file)
-    (patched / "config.json").unlink()
-    (patched / "config.json").write_text(json.dumps(config | {"architectures": ["LlamaForCausalLM"]}))
-    return patched
-
-
-def run_furcate(workload: Workload, model_dir: str, threads: int) -> tuple[Result, float, list[list[int]]]:
-    """Returns the result, the share of wall time inside model forward + lm_head, and every request's tokens."""
+def run_furcate(workload: Workload, model_dir: str, threads: int) -> tuple[Result, dict, list[list[int]]]:
+    """Returns the result, scheduler facts (forward share of wall time, prompt tokens served from the prefix
+    cache) and every request's tokens."""
     from furcate.runtime.engine import Engine
 
     with Engine(model_dir, torch_num_threads=threads) as engine:
         engine.generate(input_ids=workload.prompts[:2], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        # The warm-up prompts must not be served from the prefix cache in the timed run.
+        assert engine.flush_cache(), "furcate refused to flush its prefix cache"
         params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in workload.output_lens]
-        forward_before = engine.get_stats()["forward_seconds"]
+        before = engine.get_stats()
         meter, started = CpuMeter(), time.perf_counter()
         outputs = engine.generate(input_ids=workload.prompts, sampling_params=params)
         seconds, foreign = time.perf_counter() - started, meter.foreign_seconds()
-        forward_seconds = engine.get_stats()["forward_seconds"] - forward_before
+        after = engine.get_stats()
     tokens = [out["output_ids"] for out in outputs]
     assert [len(t) for t in tokens] == workload.output_lens, "furcate did not honour max_new_tokens"
-    return throughput(workload, seconds, foreign), forward_seconds / seconds, tokens
+    facts = {"forward_share": (after["forward_seconds"] - before["forward_seconds"]) / seconds,
+             "cached_prompt_tokens": after["cached_tokens_total"] - before["cached_tokens_total"]}
+    return throughput(workload, seconds, foreign), facts, tokens
 
 
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> list[list[int]]:
@@ -178,7 +166,7 @@ def run_hf(workload: Workload, model_dir: str, batch_size: int) -> tuple[Result,
     return throughput(workload, seconds, foreign), tokens
 
 
-def print_table(furcate: Result, hf: Result | None, forward_share: float) -> None:
+def print_table(furcate: Result, hf: Result | None, facts: dict) -> None:
     print(f"{'system':<10}{'wall s':>10}{'output tok/s':>15}{'total tok/s':>15}{'foreign cpu s':>15}")
     for name, r in (("furcate", furcate), ("hf", hf)):
         if r is not None:
@@ -186,7 +174,8 @@ def print_table(furcate: Result, hf: Result | None, forward_share: float) -> Non
                   f"{r.foreign_cpu_seconds:>15.1f}")
     if hf is not None:
         print(f"furcate / hf output tok/s: {furcate.output_tok_s / hf.output_tok_s:.2f}x")
-    print(f"furcate wall time in model forward: {forward_share:.1%}")
+    print(f"furcate wall time in model forward: {facts['forward_share']:.1%}; "
+          f"prompt tokens from its prefix cache: {facts['cached_prompt_tokens']}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -212,19 +201,19 @@ def main() -> None:
     from furcate.runtime.model.default_model import prepare_default_model
 
     torch.set_num_threads(args.threads)
-    model_dir = str(with_architectures(prepare_default_model()))
+    model_dir = str(prepare_default_model())
     workload = build_workload(AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.seed,
                               (args.min_prompt_len, args.max_prompt_len), (args.min_output_len, args.max_output_len))
     print(f"{args.num_prompts} prompts: {workload.prompt_tokens} prompt tokens, {workload.output_tokens} output "
           f"tokens, torch threads {args.threads}")
-    furcate, forward_share, furcate_tokens = run_furcate(workload, model_dir, args.threads)
+    furcate, facts, furcate_tokens = run_furcate(workload, model_dir, args.threads)
     hf, matched = None, None
     if not args.skip_hf:
         hf, hf_tokens = run_hf(workload, model_dir, args.hf_batch_size)
         checked = min(CHECKED_PROMPTS, args.num_prompts)
         matched = sum(furcate_tokens[i] == hf_tokens[i] for i in range(checked))
         print(f"greedy tokens identical to HF for {matched}/{checked} of the first prompts")
-    print_table(furcate, hf, forward_share)
+    print_table(furcate, hf, facts)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": model_dir,
@@ -232,7 +221,7 @@ def main() -> None:
         "torch_version": torch.__version__,
         "workload": {**{k: v for k, v in vars(args).items() if k not in ("skip_hf", "output", "threads")},
                      "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
-        "furcate": asdict(furcate) | {"forward_share": forward_share},
+        "furcate": asdict(furcate) | facts,
         "hf": asdict(hf) if hf else None,
         "ratio_output_tok_s": furcate.output_tok_s / hf.output_tok_s if hf else None,
         "matched_first_prompts": matched,

@@ -32,7 +32,10 @@ def expected(hf_reference, tokenizer):
 CONFIGS = {
     "radix-lpm": dict(),
     "radix-dfs-weight": dict(schedule_policy="dfs-weight"),
+    "radix-fcfs-chunk1": dict(schedule_policy="fcfs", chunked_prefill_size=1),
     "radix-fcfs-chunk7": dict(schedule_policy="fcfs", chunked_prefill_size=7),
+    "radix-chunk64-mixed": dict(chunked_prefill_size=64, enable_mixed_chunk=True),
+    "radix-no-chunking": dict(chunked_prefill_size=-1),
     "radix-lof-mixed-chunk5": dict(schedule_policy="lof", chunked_prefill_size=5, enable_mixed_chunk=True),
     "radix-random": dict(schedule_policy="random"),
     "no-radix": dict(disable_radix_cache=True),
@@ -54,6 +57,7 @@ def test_greedy_equals_hf_under_every_cache_and_schedule(name, tiny_model_dirs, 
         stats = engine.get_stats()
         if name == "tiny-pool-retracts":
             assert stats["num_retractions"] > 0, "the tiny pool was meant to force retraction"
+            assert stats["evicted_tokens"] > 0, "the tiny pool was meant to force eviction"
         if "no-radix" in name:
             assert stats["cached_tokens_total"] == 0
         else:

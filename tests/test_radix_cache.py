@@ -117,3 +117,65 @@ def _lcp(a: list[int], b: list[int]) -> list[int]:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
+
+
+class NaiveTwin:
+    """Every cached token prefix -> its KV slot, kept in a dict; matching is a brute-force longest lookup."""
+
+    def __init__(self) -> None:
+        self.slot_of: dict[tuple[int, ...], int] = {}
+
+    def insert(self, key: list[int], slots: torch.Tensor) -> None:
+        for i in range(len(key)):
+            self.slot_of.setdefault(tuple(key[: i + 1]), int(slots[i]))
+
+    def forget(self, freed: set[int]) -> None:
+        self.slot_of = {k: v for k, v in self.slot_of.items() if v not in freed}
+
+    def match(self, key: list[int]) -> list[int]:
+        slots = []
+        for i in range(len(key)):
+            slot = self.slot_of.get(tuple(key[: i + 1]))
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["insert", "match", "lock", "unlock", "evict"]),
+              st.lists(st.integers(0, 3), min_size=1, max_size=10), st.integers(0, 30)),
+    min_size=1, max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations)
+def test_random_operation_sequences_against_the_naive_twin(ops):
+    cache, kv_pool = make_cache()
+    twin = NaiveTwin()
+    locks: list[tuple[list[int], object]] = []
+    for op, key, amount in ops:
+        if op == "insert":
+            slots = kv_pool.alloc(len(key))
+            already = cache.insert(key, slots)
+            kv_pool.free(slots[:already])
+            twin.insert(key, slots)
+        elif op == "match":
+            assert cache.match_prefix(key).indices.tolist() == twin.match(key)
+        elif op == "lock":
+            match = cache.match_prefix(key)
+            if match.indices.numel():
+                cache.inc_lock_ref(match.last_node)
+                locks.append((key[: match.indices.numel()], match.last_node))
+        elif op == "unlock" and locks:
+            _, node = locks.pop(amount % len(locks))
+            cache.dec_lock_ref(node)
+        elif op == "evict":
+            free_before = set(kv_pool._free)
+            cache.evict(amount)
+            twin.forget(set(kv_pool._free) - free_before)
+            for locked_key, _ in locks:
+                assert cache.match_prefix(locked_key).indices.numel() == len(locked_key), "evicted a locked node"
+        cache.check_integrity()
+        assert accounted(cache, kv_pool) == POOL, "sizes do not add up"

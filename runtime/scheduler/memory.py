@@ -28,6 +28,7 @@ class MemoryManager:
         self.min_new_token_ratio = args.min_new_token_ratio
         self.ratio_decay = (args.init_new_token_ratio - args.min_new_token_ratio) / args.new_token_ratio_decay_steps
         self.num_retractions = 0
+        self.evicted_tokens = 0
 
     def room(self) -> int:
         return self.kv_pool.available_size() + self.cache.evictable_size()
@@ -36,7 +37,7 @@ class MemoryManager:
         """n KV slots, evicting cached prefixes as needed; admission and retraction guarantee they exist."""
         shortfall = n - self.kv_pool.available_size()
         if shortfall > 0:
-            self.cache.evict(shortfall)
+            self.evicted_tokens += self.cache.evict(shortfall)
         slots = self.kv_pool.alloc(n)
         if slots is None:
             raise RuntimeError(f"KV pool exhausted: needed {n} slots, {self.kv_pool.available_size()} free")

@@ -116,6 +116,7 @@ class Scheduler:
             "running": len(self.running),
             "waiting": len(self.waiting) + (self.chunked_req is not None),
             "num_retractions": self.memory.num_retractions,
+            "evicted_tokens": self.memory.evicted_tokens,
             "new_token_ratio": self.memory.new_token_ratio,
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,

@@ -52,8 +52,9 @@ class Result:
 
 
 def machine_busy_seconds() -> float:
-    """CPU seconds all processes have used since boot (the first /proc/stat line, less idle and iowait)."""
-    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    """CPU seconds used since boot by all processes, plus time the hypervisor stole (the /proc/stat "cpu"
+    line: user nice system idle iowait irq softirq steal; guest time is already inside user)."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
@@ -144,7 +145,7 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: in
     # eos_token_id=None rather than min_new_tokens: min_new_tokens masks EOS out of the logits, which would
     # change greedy tokens, whereas furcate's ignore_eos keeps generating through an EOS like this does.
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                         min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+                         do_sample=False, eos_token_id=None, pad_token_id=pad_id)
     return out[:, width:].tolist()
 
 

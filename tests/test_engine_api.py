@@ -80,8 +80,9 @@ def test_stats_report_forward_time(engine):
     assert after["forward_seconds"] > before["forward_seconds"]
 
 
-def test_shutdown_then_generate_raises(tiny_model_dirs):
-    engine = Engine(str(tiny_model_dirs["qwen2"]), max_total_tokens=512, torch_num_threads=1)
+def test_pool_sized_from_memory_then_shutdown_then_generate_raises(tiny_model_dirs):
+    engine = Engine(str(tiny_model_dirs["qwen2"]), mem_fraction_static=0.01, torch_num_threads=1)
+    assert engine.get_stats()["max_total_tokens"] >= 256
     assert engine.generate("hi", PARAMS)["meta_info"]["completion_tokens"] == 10
     engine.shutdown()
     assert engine._process.poll() is not None

@@ -2,6 +2,8 @@
 
 Each request's KV slots are gathered into a padded [B, max_kv_len] block and its new queries into a padded
 [B, max_new_len] block; one boolean mask encodes causality (with cached prefixes), padding and sliding windows.
+Queries are grouped under their KV head (GQA without repeating K/V): the G query heads of a group are stacked
+along the query axis, so SDPA sees KV heads as its heads.
 """
 
 from __future__ import annotations
@@ -32,19 +34,21 @@ class TorchNativeAttention:
         table = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, : self.max_k]
         self.kv_index = torch.where(key_valid, table, torch.zeros_like(table))
         query_pos = batch.prefix_lens[:, None] + torch.arange(self.max_q)[None, :]  # [B, max_q]
-        self.causal = key_valid[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None])
+        self.causal = key_valid[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None])  # [B, max_q, max_k]
         self.query_pos = query_pos
         self.key_pos = key_pos
-        self.window_masks: dict[int, torch.Tensor] = {}
+        self.masks: dict[tuple[int | None, int], torch.Tensor] = {}
 
-    def _mask(self, sliding_window: int | None) -> torch.Tensor:
-        if sliding_window is None:
-            return self.causal[:, None]
-        if sliding_window not in self.window_masks:
-            in_window = (self.query_pos[:, :, None] - self.key_pos[None, None, :]) < sliding_window
-            # A padded query row may lose every key here; its NaN output is dropped with the padding.
-            self.window_masks[sliding_window] = (self.causal & in_window)[:, None]
-        return self.window_masks[sliding_window]
+    def _mask(self, sliding_window: int | None, group: int) -> torch.Tensor:
+        """[B, 1, group * max_q, max_k]: the request's mask repeated for each query head of a KV group."""
+        key = (sliding_window, group)
+        if key not in self.masks:
+            mask = self.causal
+            if sliding_window is not None:
+                # A padded query row may lose every key here; its NaN output is dropped with the padding.
+                mask = mask & ((self.query_pos[:, :, None] - self.key_pos[None, None, :]) < sliding_window)
+            self.masks[key] = mask.repeat(1, group, 1)[:, None]
+        return self.masks[key]
 
     def forward(
         self,
@@ -59,22 +63,20 @@ class TorchNativeAttention:
         assert batch is not None, "init_forward_metadata must run before forward"
         pool = batch.token_to_kv_pool
         pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        keys, values = pool.gather(layer_id, self.kv_index)  # [B, max_k, Hkv, D]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, max_k, D]
         bsz, num_heads, head_dim = batch.batch_size, q.shape[1], q.shape[2]
-        keys = pool.k_buffer[layer_id][self.kv_index].transpose(1, 2)  # [B, Hkv, max_k, D]
-        values = pool.v_buffer[layer_id][self.kv_index].transpose(1, 2)
-        if self.max_q == 1:
-            queries = q.view(bsz, 1, num_heads, head_dim)
-        else:
-            queries = q.new_zeros(bsz * self.max_q, num_heads, head_dim)
-            queries[self.q_dest] = q
-            queries = queries.view(bsz, self.max_q, num_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2),
-            keys,
-            values,
-            attn_mask=self._mask(sliding_window),
-            scale=scaling,
-            enable_gqa=num_heads != keys.shape[1],
-        )  # [B, H, max_q, D]
-        out = out.transpose(1, 2).reshape(bsz * self.max_q, num_heads * head_dim)
+        num_kv_heads = keys.shape[1]
+        group = num_heads // num_kv_heads
+        if self.max_q > 1:
+            padded = q.new_zeros(bsz * self.max_q, num_heads, head_dim)
+            padded[self.q_dest] = q
+            q = padded
+        # [B*max_q, Hkv*G, D] -> [B, Hkv, G*max_q, D]
+        grouped = q.view(bsz, self.max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(bsz, num_kv_heads, group * self.max_q, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self._mask(sliding_window, group),
+                                             scale=scaling)
+        out = out.view(bsz, num_kv_heads, group, self.max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(bsz * self.max_q, num_heads * head_dim)
         return out if self.max_q == 1 else out[self.q_dest]

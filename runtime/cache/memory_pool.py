@@ -32,6 +32,8 @@ class ReqToTokenPool:
 class TokenToKVPool:
     """K and V buffers for every layer, indexed by KV slot, with a free-slot allocator.
 
+    Buffers are token-major, [slots, num_kv_heads, head_dim], so gathering a batch's slots is one row
+    gather of whole tokens (the fastest gather on CPU, several times faster than advanced indexing).
     Slot 0 is never handed out: padded index tensors point at it, so reads of padding stay in bounds
     and writes of padding never clobber a live token.
     """
@@ -71,8 +73,16 @@ class TokenToKVPool:
         self._free = list(range(self.size, 0, -1))
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer][slots] = k
-        self.v_buffer[layer][slots] = v
+        """k, v: [tokens, num_kv_heads, head_dim] for the given slots."""
+        self.k_buffer[layer].index_copy_(0, slots, k)
+        self.v_buffer[layer].index_copy_(0, slots, v)
+
+    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of index [B, L] as [B, L, num_kv_heads, head_dim] each."""
+        flat = index.reshape(-1)
+        shape = (*index.shape, *self.k_buffer[layer].shape[1:])
+        return (self.k_buffer[layer].index_select(0, flat).view(shape),
+                self.v_buffer[layer].index_select(0, flat).view(shape))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

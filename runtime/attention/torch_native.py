@@ -1,54 +1,105 @@
 """Attention over the paged KV pool with torch's scaled_dot_product_attention.
 
-Each request's KV slots are gathered into a padded [B, max_kv_len] block and its new queries into a padded
-[B, max_new_len] block; one boolean mask encodes causality (with cached prefixes), padding and sliding windows.
-Queries are grouped under their KV head (GQA without repeating K/V): the G query heads of a group are stacked
-along the query axis, so SDPA sees KV heads as its heads.
+Requests are bucketed by length (padding a short request to the longest one's length wastes gather and
+attention work); in each bucket, KV slots are gathered into a padded [B, max_kv_len] block and new queries into
+a padded [B, max_new_len] block, with one boolean mask for causality (with cached prefixes), padding and sliding
+windows. Queries are grouped under their KV head (GQA without repeating K/V): the G query heads of a group are
+stacked along the query axis, so SDPA sees KV heads as its heads.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from .base import ForwardBatch
 
+MAX_BUCKETS = 4
+# Each extra bucket costs a few kernel launches per layer; it must save more than this share of padded work.
+BUCKET_OVERHEAD = 0.05
 
-class TorchNativeAttention:
-    def __init__(self) -> None:
-        self.batch: ForwardBatch | None = None
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self.batch = batch
-        bsz = batch.batch_size
-        self.max_q = int(batch.extend_lens.max())
-        self.max_k = int(batch.seq_lens.max())
-        # Where each packed token sits in the padded [B * max_q] query block.
-        starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
-        req_of_token = torch.repeat_interleave(torch.arange(bsz), batch.extend_lens)
-        offset_in_req = torch.arange(int(batch.extend_lens.sum())) - starts[req_of_token]
-        self.q_dest = req_of_token * self.max_q + offset_in_req
-        # KV slot of every (request, key position); padding points at slot 0, which is never allocated.
-        key_pos = torch.arange(self.max_k)
-        key_valid = key_pos[None, :] < batch.seq_lens[:, None]
-        table = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, : self.max_k]
-        self.kv_index = torch.where(key_valid, table, torch.zeros_like(table))
-        query_pos = batch.prefix_lens[:, None] + torch.arange(self.max_q)[None, :]  # [B, max_q]
-        self.causal = key_valid[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None])  # [B, max_q, max_k]
-        self.query_pos = query_pos
-        self.key_pos = key_pos
-        self.masks: dict[tuple[int | None, int], torch.Tensor] = {}
+@dataclass
+class Bucket:
+    """Requests attended together: their packed tokens, padded layout and mask."""
 
-    def _mask(self, sliding_window: int | None, group: int) -> torch.Tensor:
-        """[B, 1, group * max_q, max_k]: the request's mask repeated for each query head of a KV group."""
+    tokens: torch.Tensor  # indices of the bucket's tokens in the packed batch
+    q_dest: torch.Tensor  # where each of those tokens sits in the padded [B * max_q] query block
+    kv_index: torch.Tensor  # [B, max_k] KV slots; padding points at slot 0, which is never allocated
+    causal: torch.Tensor  # [B, max_q, max_k]
+    query_pos: torch.Tensor  # [B, max_q]
+    max_q: int
+    max_k: int
+    masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.kv_index.shape[0]
+
+    def mask(self, sliding_window: int | None, group: int) -> torch.Tensor:
+        """[B, 1, group * max_q, max_k]: each request's mask repeated for the query heads of a KV group."""
         key = (sliding_window, group)
         if key not in self.masks:
             mask = self.causal
             if sliding_window is not None:
                 # A padded query row may lose every key here; its NaN output is dropped with the padding.
-                mask = mask & ((self.query_pos[:, :, None] - self.key_pos[None, None, :]) < sliding_window)
+                key_pos = torch.arange(self.max_k)
+                mask = mask & ((self.query_pos[:, :, None] - key_pos[None, None, :]) < sliding_window)
             self.masks[key] = mask.repeat(1, group, 1)[:, None]
         return self.masks[key]
+
+
+def plan_buckets(seq_lens: list[int], extend_lens: list[int]) -> list[list[int]]:
+    """Split requests, ranked by length, into the number of equal-count buckets that minimizes padded work."""
+    order = sorted(range(len(seq_lens)), key=lambda i: (seq_lens[i], extend_lens[i]))
+
+    def padded_work(groups: list[list[int]]) -> float:
+        return sum(len(g) * max(seq_lens[i] for i in g) * max(extend_lens[i] for i in g) for g in groups)
+
+    best, best_cost = [order], float("inf")
+    for count in range(1, min(MAX_BUCKETS, len(order)) + 1):
+        size = -(-len(order) // count)
+        # Within a bucket, batch order: a single bucket then needs no reordering of the packed tokens.
+        groups = [sorted(order[i : i + size]) for i in range(0, len(order), size)]
+        cost = padded_work(groups) * (1 + BUCKET_OVERHEAD * (len(groups) - 1))
+        if cost < best_cost:
+            best, best_cost = groups, cost
+    return best
+
+
+class TorchNativeAttention:
+    def __init__(self) -> None:
+        self.batch: ForwardBatch | None = None
+        self.buckets: list[Bucket] = []
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.batch = batch
+        starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+        groups = plan_buckets(batch.seq_lens.tolist(), batch.extend_lens.tolist())
+        self.buckets = [self._bucket(batch, torch.tensor(g), starts) for g in groups]
+
+    @staticmethod
+    def _bucket(batch: ForwardBatch, reqs: torch.Tensor, starts: torch.Tensor) -> Bucket:
+        extend_lens, seq_lens, prefix_lens = batch.extend_lens[reqs], batch.seq_lens[reqs], batch.prefix_lens[reqs]
+        max_q, max_k = int(extend_lens.max()), int(seq_lens.max())
+        local_req = torch.repeat_interleave(torch.arange(len(reqs)), extend_lens)
+        offset = torch.arange(int(extend_lens.sum())) - (torch.cumsum(extend_lens, 0) - extend_lens)[local_req]
+        tokens = starts[reqs][local_req] + offset
+        key_pos = torch.arange(max_k)
+        key_valid = key_pos[None, :] < seq_lens[:, None]
+        table = batch.req_to_token_pool.req_to_token[batch.req_pool_indices[reqs], :max_k]
+        query_pos = prefix_lens[:, None] + torch.arange(max_q)[None, :]
+        return Bucket(
+            tokens=tokens,
+            q_dest=local_req * max_q + offset,
+            kv_index=torch.where(key_valid, table, torch.zeros_like(table)),
+            causal=key_valid[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None]),
+            query_pos=query_pos,
+            max_q=max_q,
+            max_k=max_k,
+        )
 
     def forward(
         self,
@@ -61,22 +112,31 @@ class TorchNativeAttention:
     ) -> torch.Tensor:
         batch = self.batch
         assert batch is not None, "init_forward_metadata must run before forward"
-        pool = batch.token_to_kv_pool
-        pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        keys, values = pool.gather(layer_id, self.kv_index)  # [B, max_k, Hkv, D]
+        batch.token_to_kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        if len(self.buckets) == 1:
+            return self._attend(self.buckets[0], q, layer_id, scaling, sliding_window)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for bucket in self.buckets:
+            out[bucket.tokens] = self._attend(bucket, q[bucket.tokens], layer_id, scaling, sliding_window)
+        return out
+
+    def _attend(self, bucket: Bucket, q: torch.Tensor, layer_id: int, scaling: float,
+                sliding_window: int | None) -> torch.Tensor:
+        """q: the bucket's packed queries [T, H, D]; returns [T, H * D]."""
+        keys, values = self.batch.token_to_kv_pool.gather(layer_id, bucket.kv_index)  # [B, max_k, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, max_k, D]
-        bsz, num_heads, head_dim = batch.batch_size, q.shape[1], q.shape[2]
+        bsz, max_q, num_heads, head_dim = bucket.size, bucket.max_q, q.shape[1], q.shape[2]
         num_kv_heads = keys.shape[1]
         group = num_heads // num_kv_heads
-        if self.max_q > 1:
-            padded = q.new_zeros(bsz * self.max_q, num_heads, head_dim)
-            padded[self.q_dest] = q
+        if max_q > 1:
+            padded = q.new_zeros(bsz * max_q, num_heads, head_dim)
+            padded[bucket.q_dest] = q
             q = padded
         # [B*max_q, Hkv*G, D] -> [B, Hkv, G*max_q, D]
-        grouped = q.view(bsz, self.max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        grouped = grouped.reshape(bsz, num_kv_heads, group * self.max_q, head_dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self._mask(sliding_window, group),
+        grouped = q.view(bsz, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(bsz, num_kv_heads, group * max_q, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bucket.mask(sliding_window, group),
                                              scale=scaling)
-        out = out.view(bsz, num_kv_heads, group, self.max_q, head_dim).permute(0, 3, 1, 2, 4)
-        out = out.reshape(bsz * self.max_q, num_heads * head_dim)
-        return out if self.max_q == 1 else out[self.q_dest]
+        out = out.view(bsz, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(bsz * max_q, num_heads * head_dim)
+        return out if max_q == 1 else out[bucket.q_dest]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native",)
+GRAMMAR_BACKENDS = ("xgrammar", "outlines", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -31,6 +32,12 @@ class EngineArgs:
     enable_mixed_chunk: bool = False
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    grammar_backend: str = "xgrammar"
+    # A grammar still compiling after this many seconds fails its request (others are never held up).
+    grammar_compile_timeout: float = 30.0
+    # Append the tokens a grammar forces (e.g. `{"name": "`) without sampling them one by one.
+    enable_jump_forward: bool = False
     # Share of a request's remaining max_new_tokens reserved at admission; it decays towards the minimum
     # while memory lasts and jumps back up after a retraction.
     init_new_token_ratio: float = 0.7
@@ -51,6 +58,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

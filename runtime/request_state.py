@@ -40,6 +40,11 @@ class RequestState:
         new_logprobs = self._logprob_entries(out) if self.req.return_logprob else {}
         for key, entries in new_logprobs.items():
             self.logprobs.setdefault(key, []).extend(entries)
+        status = (self.finish_reason or {}).get("status_code")
+        if status is not None:  # the scheduler refused this request (e.g. its grammar does not compile)
+            error_type = ValueError if status < 500 else RuntimeError
+            self.sink(error_type(self.finish_reason["message"]))
+            return
         self.sink(self._chunk(new_logprobs))
 
     def fail(self, error: Exception) -> None:

@@ -31,6 +31,9 @@ def expected(hf_reference, tokenizer):
 
 CONFIGS = {
     "radix-lpm": dict(),
+    "plain-loop": dict(disable_overlap_schedule=True),
+    "plain-loop-retracts": dict(disable_overlap_schedule=True, max_total_tokens=100, init_new_token_ratio=0.1,
+                                min_new_token_ratio=0.05),
     "radix-dfs-weight": dict(schedule_policy="dfs-weight"),
     "radix-fcfs-chunk1": dict(schedule_policy="fcfs", chunked_prefill_size=1),
     "radix-fcfs-chunk7": dict(schedule_policy="fcfs", chunked_prefill_size=7),
@@ -55,7 +58,7 @@ def test_greedy_equals_hf_under_every_cache_and_schedule(name, tiny_model_dirs, 
         again = engine.generate(prompts[:3], params[:3])  # now served from the cache, when there is one
         assert [r["output_ids"] for r in again] == reference[:3]
         stats = engine.get_stats()
-        if name == "tiny-pool-retracts":
+        if name.endswith("retracts"):
             assert stats["num_retractions"] > 0, "the tiny pool was meant to force retraction"
             assert stats["evicted_tokens"] > 0, "the tiny pool was meant to force eviction"
         if "no-radix" in name:

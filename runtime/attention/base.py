@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,9 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B]
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: TokenToKVPool
+    # Filled by the attention backend's init_forward_metadata, on the scheduler thread, before the forward runs
+    # (with the overlap loop the forward runs on a worker while the scheduler edits the request table).
+    attn_metadata: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -41,7 +44,10 @@ class AttentionBackend(Protocol):
     """Writes a layer's new K/V into the pool, then attends each new query over its request's whole KV."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Called once per forward, before the layers, so per-layer calls only index precomputed tensors."""
+        """Precompute what every layer needs into batch.attn_metadata, so per-layer calls only index it."""
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        """The batch whose layers run next (set on the thread that runs the forward)."""
 
     def forward(
         self,

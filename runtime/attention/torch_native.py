@@ -75,10 +75,14 @@ class TorchNativeAttention:
         self.buckets: list[Bucket] = []
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self.batch = batch
         starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
         groups = plan_buckets(batch.seq_lens.tolist(), batch.extend_lens.tolist())
-        self.buckets = [self._bucket(batch, torch.tensor(g), starts) for g in groups]
+        batch.attn_metadata = [self._bucket(batch, torch.tensor(g), starts) for g in groups]
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        assert batch.attn_metadata is not None, "init_forward_metadata must run before the forward"
+        self.batch = batch
+        self.buckets = batch.attn_metadata
 
     @staticmethod
     def _bucket(batch: ForwardBatch, reqs: torch.Tensor, starts: torch.Tensor) -> Bucket:
@@ -111,7 +115,6 @@ class TorchNativeAttention:
         sliding_window: int | None,
     ) -> torch.Tensor:
         batch = self.batch
-        assert batch is not None, "init_forward_metadata must run before forward"
         batch.token_to_kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if len(self.buckets) == 1:
             return self._attend(self.buckets[0], q, layer_id, scaling, sliding_window)

@@ -93,7 +93,7 @@ class DecoderForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        attn.init_forward_metadata(batch)
+        attn.begin_forward(batch)
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.model.rotary(batch.positions, x.dtype)
         for layer in self.model.layers:

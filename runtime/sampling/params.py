@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...grammars.base import GrammarSpec
+
 # Below this temperature sampling is argmax, as in SGLang.
 GREEDY_TEMPERATURE = 1e-5
 MAX_NEW_TOKENS_DEFAULT = 128
@@ -31,13 +33,19 @@ class SamplingParams:
     no_stop_trim: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     sampling_seed: int | None = None
+    # Constraints (at most one): normalized to a GrammarSpec when the request is built.
+    json_schema: Any = None
+    regex: str | None = None
+    ebnf: str | None = None
+    choices: list[str] | None = None
+    grammar: GrammarSpec | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "SamplingParams":
         """Build from a user dict; an unknown field or bad value raises ValueError naming the field."""
         raw = dict(raw or {})
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(set(raw) - known - {"grammar"})
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         if raw.get("max_new_tokens", 0) is None:
@@ -53,6 +61,9 @@ class SamplingParams:
         else:
             raw.pop("logit_bias", None)
         params = cls(**raw)
+        params.grammar = GrammarSpec.from_params(params.json_schema, params.regex, params.ebnf, params.choices)
+        # The spec now lives in `grammar`; a pydantic class would not survive the trip to the scheduler.
+        params.json_schema = params.regex = params.ebnf = params.choices = None
         params.validate()
         return params
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...grammars.base import apply_bitmask
 from .params import SamplingParams
 
 
@@ -24,9 +25,19 @@ class SamplingRow:
     stop_ids: frozenset[int]  # ids that would end the request, masked while min_new_tokens is unmet
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """logits: [B, V] float32 raw model logits (left untouched). Returns next token ids [B]."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None,
+           constrained: list[int] | None = None) -> torch.Tensor:
+    """logits: [B, V] float32 raw model logits (left untouched). Rows listed in `constrained` may only pick
+    tokens their bitmask row allows. Returns next token ids [B]."""
+    raw = logits
     logits = adjust_logits(logits, rows)
+    if constrained:
+        if logits is raw:
+            logits = logits.clone()
+        index = torch.tensor(constrained)
+        masked = logits[index]
+        apply_bitmask(masked, bitmask[index])
+        logits[index] = masked
     greedy = torch.tensor([row.params.is_greedy for row in rows])
     next_ids = logits.argmax(dim=-1)
     if not bool(greedy.all()):

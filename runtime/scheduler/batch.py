@@ -7,7 +7,7 @@ one token. So one builder serves prefill, decode and mixed batches.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +27,7 @@ class ReqSlice:
     @classmethod
     def next_of(cls, req: Req, max_length: int | None = None) -> "ReqSlice":
         """The next slice of a request: the rest of its fill_ids, cut at max_length."""
-        remaining = len(req.input_ids) + len(req.output_ids) - req.kv_len
+        remaining = req.fill_len - req.kv_len
         length = remaining if max_length is None else min(remaining, max_length)
         return cls(req, req.kv_len, length, length == remaining, req.input_logprob_rows(req.kv_len, length))
 
@@ -45,6 +45,8 @@ class ScheduleBatch:
     slices: list[ReqSlice]
     forward: ForwardBatch
     logit_ranges: list[range]  # per slice, rows of the packed tokens whose logits are computed
+    # Overlap loop: where each sampling slice's token goes in the future buffer, for the next batch to read.
+    future_slots: list[int] = field(default_factory=list)
 
     @property
     def reqs(self) -> list[Req]:
@@ -66,7 +68,10 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
     for piece in slices:
         req = piece.req
         end = piece.start + piece.length
-        input_ids.extend(req.fill_ids[piece.start : end])
+        tokens = req.fill_ids[piece.start : end]
+        if len(tokens) < piece.length:  # the last token is still being sampled: read it from the future buffer
+            tokens.append(-(req.future_slot + 1))
+        input_ids.extend(tokens)
         req_pool.req_to_token[req.req_pool_idx, piece.start : end] = slots[offset : offset + piece.length]
         rows = piece.logit_rows
         shift = offset - piece.start

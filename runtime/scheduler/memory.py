@@ -47,6 +47,10 @@ class MemoryManager:
         """Hand a request's KV to the prefix cache (or free it) and forget where it lived."""
         if req.req_pool_idx is None:
             return
+        known = len(req.fill_ids)
+        if req.kv_len > known:  # K/V of a token the scheduler has not seen yet (overlap loop): not cacheable
+            self.kv_pool.free(self.req_pool.req_to_token[req.req_pool_idx, known : req.kv_len].clone())
+            req.kv_len = known
         self.cache.cache_finished_req(req)
         req.req_pool_idx = None
         req.kv_len = 0

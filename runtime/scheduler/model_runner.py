@@ -12,10 +12,20 @@ from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..config import EngineArgs
 from ..model.loader import load_config, load_model, resolve_dtype
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
-from ..sampling.sampler import sample
+from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
 
 ATTENTION_BACKENDS = {"torch_native": TorchNativeAttention}
+FUTURE_SLOTS = 1 << 16
+
+
+@dataclass
+class SamplingInputs:
+    """What sampling a batch needs from the scheduler, snapshotted after the previous batch's tokens landed."""
+
+    rows: list[SamplingRow]  # one per sampling slice, in batch order
+    bitmask: torch.Tensor | None = None  # grammar masks, one row per sampling slice
+    constrained: list[int] = field(default_factory=list)  # which sampling rows the bitmask constrains
 
 
 @dataclass
@@ -45,6 +55,8 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
         self.forward_calls = 0
+        # Sampled token ids the next batch may read before the scheduler has seen them (overlap loop).
+        self.future_tokens = torch.zeros(FUTURE_SLOTS, dtype=torch.long)
 
     def _tokens_from_memory(self, args: EngineArgs, attn) -> int:
         per_token = TokenToKVPool.bytes_per_token(
@@ -53,20 +65,36 @@ class ModelRunner:
         budget = int(available_memory_bytes() * args.mem_fraction_static)
         return max(budget // per_token, 256)
 
-    def run(self, batch: ScheduleBatch) -> StepResult:
+    def prepare(self, batch: ScheduleBatch) -> None:
+        """Everything of a forward that reads scheduler state; runs on the scheduler thread."""
+        self.attn_backend.init_forward_metadata(batch.forward)
+
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Logits of the rows the batch asks for. Token ids still to be sampled (negative placeholders from
+        the overlap loop) are read from the future buffer the previous batch's sampling wrote."""
         started = time.perf_counter()
-        hidden = self.model(batch.forward, self.attn_backend)
+        forward = batch.forward
+        placeholders = forward.input_ids < 0
+        if bool(placeholders.any()):
+            resolved = self.future_tokens[(-forward.input_ids[placeholders] - 1)]
+            forward.input_ids = forward.input_ids.masked_scatter(placeholders, resolved)
+        hidden = self.model(forward, self.attn_backend)
         rows = torch.tensor([i for r in batch.logit_ranges for i in r], dtype=torch.long)
         logits = self.model.compute_logits(hidden[rows])
         self.forward_seconds += time.perf_counter() - started
         self.forward_calls += 1
+        return logits
+
+    def sample(self, batch: ScheduleBatch, logits: torch.Tensor, inputs: SamplingInputs) -> StepResult:
         per_slice = logits.split([len(r) for r in batch.logit_ranges])
         result = StepResult()
         sampling = [b for b, piece in enumerate(batch.slices) if piece.samples]
         if sampling:
             next_logits = torch.stack([per_slice[b][-1] for b in sampling])
-            next_ids = sample(next_logits, [batch.slices[b].req.sampling_row() for b in sampling])
+            next_ids = sample(next_logits, inputs.rows, inputs.bitmask, inputs.constrained)
             result.next_ids = dict(zip(sampling, next_ids.tolist()))
+            if batch.future_slots:
+                self.future_tokens[torch.tensor(batch.future_slots)] = next_ids
         for b, piece in enumerate(batch.slices):
             if piece.req.return_logprob and len(per_slice[b]):
                 self._add_logprobs(result, b, piece, per_slice[b])

@@ -38,6 +38,11 @@ class Req:
     input_logprobs_sent: bool = False
     finish_reason: dict[str, Any] | None = None
     pending: ReqOutput | None = None  # what the next message to the engine will carry
+    matcher: Any = None  # grammar state, for constrained requests
+    # Overlap loop: the future-buffer slot of an output token sampled but not yet seen by the scheduler.
+    future_slot: int | None = None
+    # Overlap loop: the in-flight batch sampled for this request from a state jump-forward has since changed.
+    discard_next: bool = False
 
     @classmethod
     def from_tokenized(cls, req: TokenizedGenerateReq, seed: int, eos_ids: frozenset[int]) -> "Req":
@@ -67,6 +72,10 @@ class Req:
         """Every token whose K/V the request needs before it can sample again (a retracted request's outputs
         are recomputed with its prompt)."""
         return self.input_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids) + (self.future_slot is not None)
 
     def token_ids_with_kv(self) -> list[int]:
         return self.fill_ids[: self.kv_len]
@@ -98,7 +107,8 @@ class Req:
         return min(start, len(self.input_ids) - 1)
 
     def sampling_row(self) -> SamplingRow:
-        return SamplingRow(self.params, self.input_ids, self.output_ids, self.seed, self.stop_token_ids)
+        """A snapshot: the sampler may run on another thread while the scheduler appends tokens."""
+        return SamplingRow(self.params, self.input_ids, list(self.output_ids), self.seed, self.stop_token_ids)
 
     def output(self) -> ReqOutput:
         if self.pending is None:

@@ -12,13 +12,16 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from ...grammars.cache import GrammarCache, make_backend
 from ..cache.chunk_cache import ChunkCache
 from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
 from ..io import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
+from .grammar_queue import GrammarQueue
 from .memory import MemoryManager
-from .model_runner import ModelRunner, StepResult
+from .model_runner import ModelRunner, SamplingInputs, StepResult
+from .overlap import OverlapLoop
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
 from .req import Req
@@ -37,6 +40,8 @@ class Scheduler:
         cache_type = ChunkCache if args.disable_radix_cache else RadixCache
         self.cache = cache_type(self.runner.req_pool, self.runner.kv_pool)
         self.memory = MemoryManager(args, self.cache, self.runner.req_pool, self.runner.kv_pool)
+        backend = make_backend(args.grammar_backend, self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids))
+        self.grammars = GrammarQueue(GrammarCache(backend) if backend else None, args.grammar_compile_timeout)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -44,6 +49,7 @@ class Scheduler:
         self.rng = random.Random(args.random_seed)
         self.outputs: list[Any] = []
         self.cached_tokens_total = 0
+        self.jumped_tokens = 0
         self.prompt_tokens_total = 0
 
     def ready_message(self) -> SchedulerReady:
@@ -55,34 +61,62 @@ class Scheduler:
         )
 
     @property
+    def has_work(self) -> bool:
+        """Something can be computed now (requests still compiling their grammar cannot)."""
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req)
+        return not (self.has_work or self.grammars)
 
     # -- the loop -------------------------------------------------------------------------------------------
 
     def event_loop(self) -> None:
-        while True:
-            for message in receive(self.conn, block=self.idle):
-                if isinstance(message, RpcReq) and message.method == "shutdown":
-                    self.conn.send([RpcOut(message.call_id, True)])
-                    return
-                self.handle(message)
-            self.step()
+        if self.args.disable_overlap_schedule:
+            self.plain_loop()
+        else:
+            OverlapLoop(self).run()
 
-    def step(self) -> None:
-        batch = self.next_batch()
-        if batch is not None:
-            self.process_result(batch, self.runner.run(batch))
+    def plain_loop(self) -> None:
+        while self.receive_messages(block=not self.has_work):
+            batch = self.next_batch()
+            if batch is not None:
+                self.runner.prepare(batch)
+                logits = self.runner.forward(batch)
+                self.process_result(batch, self.runner.sample(batch, logits, self.sampling_inputs(batch)))
+            self.send_outputs()
+
+    def receive_messages(self, block: bool) -> bool:
+        """Handle everything the engine sent; False once it asked to shut down."""
+        # Requests waiting only for a grammar must not block the loop: poll until their compile settles.
+        for message in receive(self.conn, block=block, timeout=0.005 if self.grammars else None):
+            if isinstance(message, RpcReq) and message.method == "shutdown":
+                self.conn.send([RpcOut(message.call_id, True)])
+                return False
+            self.handle(message)
+        self.admit_compiled_grammars()
+        return True
+
+    def send_outputs(self) -> None:
         if self.outputs:
             self.conn.send(self.outputs)
             self.outputs = []
+
+    def sampling_inputs(self, batch: ScheduleBatch) -> SamplingInputs:
+        """Snapshot of what sampling needs (penalty history, seeds, grammar masks), taken on this thread."""
+        reqs = [piece.req for piece in batch.slices if piece.samples]
+        bitmask, constrained = self.grammars.fill_masks(reqs, self.runner.vocab_size)
+        return SamplingInputs([req.sampling_row() for req in reqs], bitmask, constrained)
 
     # -- messages -------------------------------------------------------------------------------------------
 
     def handle(self, message: Any) -> None:
         if isinstance(message, TokenizedGenerateReq):
-            seed = self.rng.randrange(2**31)
-            self.waiting.append(Req.from_tokenized(message, seed, self.eos_ids))
+            req = Req.from_tokenized(message, self.rng.randrange(2**31), self.eos_ids)
+            if req.params.grammar is None:
+                self.waiting.append(req)
+            elif (problem := self.grammars.add(req)) is not None:
+                self.finish(req, bad_request(problem))
         elif isinstance(message, AbortReq):
             self.abort(message.rid)
         elif isinstance(message, RpcReq):
@@ -90,7 +124,15 @@ class Scheduler:
         else:
             raise TypeError(f"scheduler got an unknown message {type(message).__name__}")
 
+    def admit_compiled_grammars(self) -> None:
+        ready, failed = self.grammars.pop_settled()
+        self.waiting.extend(ready)
+        for req, problem in failed:
+            self.finish(req, bad_request(problem))
+
     def abort(self, rid: str) -> None:
+        for req in self.grammars.remove(rid):
+            self.finish(req, {"type": "abort", "message": "aborted by request"})
         matches = [r for r in self.waiting + self.running + [self.chunked_req] if r is not None and r.rid == rid]
         for req in matches:
             if req in self.waiting:
@@ -143,7 +185,13 @@ class Scheduler:
             slices += [ReqSlice.next_of(req) for req in self.running]
         if not slices:
             return None
-        return build_batch(slices, self.runner.req_pool, self.runner.kv_pool, self.memory.alloc)
+        batch = build_batch(slices, self.runner.req_pool, self.runner.kv_pool, self.memory.alloc)
+        running = {id(r) for r in self.running}
+        for piece in slices:
+            if id(piece.req) not in running:
+                # Shareable at once: batches run in order, so any later reader finds this K/V written.
+                self.cache.cache_unfinished_req(piece.req)
+        return batch
 
     def admit(self) -> list[ReqSlice]:
         if not self.waiting and self.chunked_req is None:
@@ -158,12 +206,14 @@ class Scheduler:
         root = self.cache.root if isinstance(self.cache, RadixCache) else None
         check_sharing = root is not None and self.args.schedule_policy in ("lpm", "dfs-weight")
         for req in order_waiting(self.waiting, self.args.schedule_policy, self.rng, root):
-            if self.chunked_req is not None or adder.chunked_req is not None:
+            if adder.chunked_req is not None:
                 break  # one chunked prompt at a time
             if not adder.add(req, check_sharing):
                 break
         admitted = {id(p.req) for p in adder.slices}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        # Decided now, not when results arrive: the overlap loop schedules the next batch before that.
+        self.chunked_req = adder.chunked_req
         return adder.slices
 
     def match_prefix(self, req: Req) -> None:
@@ -184,38 +234,72 @@ class Scheduler:
 
     # -- results --------------------------------------------------------------------------------------------
 
-    def process_result(self, batch: ScheduleBatch, result: StepResult) -> None:
+    def process_result(self, batch: ScheduleBatch, result: StepResult, in_flight: set[int] = frozenset()) -> None:
+        """Fold a batch's tokens into its requests. `in_flight`: ids of requests in a batch already launched
+        (overlap loop), whose token from that batch must be dropped if jump-forward changes their state now."""
         running = {id(r) for r in self.running}
-        if self.chunked_req is not None and any(p.req is self.chunked_req for p in batch.slices):
-            self.chunked_req = None
+        slots = iter(batch.future_slots)
         for b, piece in enumerate(batch.slices):
             req = piece.req
             if b in result.input_logprobs:
                 req.input_logprob_values.extend(result.input_logprobs[b])
                 req.input_top_values.extend(result.input_top.get(b, []))
-            if not piece.samples:
-                self.cache.cache_unfinished_req(req)  # the finished part is shareable at once
-                self.chunked_req = req
+            if not piece.samples:  # a chunk of a long prompt; the next one follows next step
+                continue
+            if req.future_slot is not None and req.future_slot == next(slots, None):
+                req.future_slot = None  # the token is here now
+            elif req.future_slot is None:
+                next(slots, None)
+            if req.finished or req.discard_next:  # finished or redirected while this batch ran
+                req.discard_next = False
                 continue
             if id(req) not in running:
                 self.finish_prefill(req)
                 if req.finished:
                     continue
-            req.append_token(result.next_ids[b], self.decode_tail, self.runner.context_length)
-            out = req.output()
-            if b in result.output_logprobs:
-                out.output_logprobs.append(result.output_logprobs[b])
-                out.output_top_logprobs.append(result.output_top[b])
+            self.take_token(req, result.next_ids[b], result.output_logprobs.get(b), result.output_top.get(b))
+            if not req.finished and self.args.enable_jump_forward and self.jump_forward(req) and id(req) in in_flight:
+                req.discard_next, req.future_slot = True, None
             if req.finished:
                 self.memory.release(req)
                 self.finish(req, req.finish_reason)
             elif id(req) not in running:
                 self.running.append(req)
         self.running = [r for r in self.running if not r.finished]
+        self.waiting = [r for r in self.waiting if not r.finished]
         for req in self.running:
             if req.pending is not None:
                 self.outputs.append(req.pending)
                 req.pending = None
+
+    def take_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
+        req.append_token(token, self.decode_tail, self.runner.context_length)
+        out = req.output()
+        if logprob is not None:
+            out.output_logprobs.append(logprob)
+            out.output_top_logprobs.append(top)
+        if req.matcher is None:
+            return
+        if not req.matcher.accept(token):
+            req.finish_reason = bad_request(f"the grammar rejected token {token}", status=500)
+        elif req.matcher.is_terminated() and not req.finished:
+            req.finish_reason = {"type": "stop", "matched": token}
+
+    def jump_forward(self, req: Req) -> bool:
+        """Append the tokens the grammar forces next; they are computed with the next step's extend."""
+        if req.matcher is None or req.return_logprob:
+            return False
+        forced = req.matcher.jump_forward()
+        if not forced:
+            return False
+        taken = 0
+        for token in self.tokenizer.encode(forced, add_special_tokens=False)[: req.remaining_output - 1]:
+            if req.finished or not req.matcher.accept(token):
+                break
+            req.append_token(token, self.decode_tail, self.runner.context_length)
+            taken += 1
+        self.jumped_tokens += taken
+        return taken > 0
 
     def finish_prefill(self, req: Req) -> None:
         """First time a request reaches the end of its prompt: report prompt facts, cache the prompt."""
@@ -232,7 +316,6 @@ class Scheduler:
             if req.top_logprobs_num > 0:
                 out.input_top_logprobs = ([None] if start == 0 else []) + req.input_top_values
             req.input_logprobs_sent = True
-        self.cache.cache_unfinished_req(req)
         if req.params.max_new_tokens == 0:
             self.memory.release(req)
             self.finish(req, {"type": "length", "length": 0})
@@ -248,10 +331,15 @@ class Scheduler:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
-def receive(conn: Connection, block: bool) -> list[Any]:
-    """Everything the engine has sent; waits for the first message only when there is nothing to compute."""
+def bad_request(message: str, status: int = 400) -> dict[str, Any]:
+    """A finish reason the engine turns into an error for this request alone."""
+    return {"type": "abort", "message": message, "status_code": status}
+
+
+def receive(conn: Connection, block: bool, timeout: float | None = None) -> list[Any]:
+    """Everything the engine has sent; when blocking, waits (up to `timeout`) for a first message."""
     messages = []
-    if block or conn.poll():
+    if conn.poll(timeout) if block else conn.poll():
         messages.append(conn.recv())
     while conn.poll():
         messages.append(conn.recv())

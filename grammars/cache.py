@@ -1,0 +1,62 @@
+"""Compiled grammars cached by spec in a bounded LRU, compiled on a thread pool so no schema stalls the loop."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .base import CompiledGrammar, GrammarBackend, GrammarSpec
+
+
+def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend | None:
+    """The backend chosen by engine argument `grammar_backend`; None for "none"."""
+    if name == "none":
+        return None
+    if name == "xgrammar":
+        from .xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    if name == "outlines":
+        from .outlines_backend import OutlinesBackend
+
+        return OutlinesBackend(tokenizer, vocab_size, stop_token_ids)
+    raise ValueError(f"unknown grammar_backend {name!r}")
+
+
+class GrammarCache:
+    def __init__(self, backend: GrammarBackend, max_entries: int = 256, workers: int = 2) -> None:
+        self.backend = backend
+        self.max_entries = max_entries
+        self._entries: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="furcate-grammar")
+        self.compile_seconds: list[float] = []
+
+    def get(self, spec: GrammarSpec) -> Future:
+        """A future of the compiled grammar (already resolved on a hit). A failure raises ValueError from it."""
+        future = self._entries.get(spec)
+        if future is not None:
+            self._entries.move_to_end(spec)
+            return future
+        future = self._pool.submit(self._compile, spec)
+        self._entries[spec] = future
+        self._trim()
+        return future
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        started = time.perf_counter()
+        try:
+            return self.backend.compile(spec)
+        finally:
+            self.compile_seconds.append(time.perf_counter() - started)
+
+    def _trim(self) -> None:
+        # Pending compilations stay: a waiting request holds their future.
+        for spec in list(self._entries):
+            if len(self._entries) <= self.max_entries:
+                return
+            if self._entries[spec].done():
+                del self._entries[spec]
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,66 @@
+"""Requests waiting for their grammar to compile; none of them holds up the rest of the batch."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from ...grammars.base import allocate_bitmask
+from ...grammars.cache import GrammarCache
+from .req import Req
+
+
+class GrammarQueue:
+    def __init__(self, cache: GrammarCache | None, timeout_s: float) -> None:
+        self.cache = cache
+        self.timeout_s = timeout_s
+        self.waiting: list[tuple[Req, object, float]] = []
+        self.fill_seconds: deque[float] = deque(maxlen=50_000)  # per request-token mask fill times
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, req: Req) -> str | None:
+        """Start compiling; returns an error message when the request cannot be constrained at all."""
+        if self.cache is None:
+            return "constrained decoding needs a grammar backend (grammar_backend is 'none')"
+        deadline = time.monotonic() + self.timeout_s
+        self.waiting.append((req, self.cache.get(req.params.grammar), deadline))
+        return None
+
+    def pop_settled(self) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """Requests whose grammar compiled (matcher attached) and those that failed, with the reason."""
+        ready, failed, still = [], [], []
+        now = time.monotonic()
+        for req, future, deadline in self.waiting:
+            if future.done():
+                try:
+                    req.matcher = future.result().matcher()
+                    ready.append(req)
+                except ValueError as error:
+                    failed.append((req, str(error)))
+            elif now > deadline:
+                failed.append((req, f"{req.params.grammar.kind} did not compile within {self.timeout_s:g}s"))
+            else:
+                still.append((req, future, deadline))
+        self.waiting = still
+        return ready, failed
+
+    def remove(self, rid: str) -> list[Req]:
+        gone = [entry[0] for entry in self.waiting if entry[0].rid == rid]
+        self.waiting = [entry for entry in self.waiting if entry[0].rid != rid]
+        return gone
+
+    def fill_masks(self, reqs: list[Req], vocab_size: int) -> tuple[torch.Tensor | None, list[int]]:
+        """Bitmask rows for the constrained ones among `reqs` (sampling order), and which rows those are."""
+        constrained = [i for i, req in enumerate(reqs) if req.matcher is not None]
+        if not constrained:
+            return None, []
+        bitmask = allocate_bitmask(len(reqs), vocab_size)
+        for i in constrained:
+            started = time.perf_counter()
+            reqs[i].matcher.fill_bitmask(bitmask, i)
+            self.fill_seconds.append(time.perf_counter() - started)
+        return bitmask, constrained

@@ -48,7 +48,13 @@ class Result:
     wall_seconds: float
     output_tok_s: float
     total_tok_s: float
-    foreign_cpu_seconds: float  # CPU time other processes took meanwhile; far above 0 means a disturbed run
+    foreign_cpu_seconds: float  # CPU time other processes took meanwhile
+
+    @property
+    def disturbed(self) -> bool:
+        """Other processes took over 5% of the run's CPU; with every core in use by torch threads, that much
+        already slows a run several times (threads wait at every parallel region for a descheduled peer)."""
+        return self.foreign_cpu_seconds > 0.05 * self.wall_seconds * (os.cpu_count() or 1)
 
 
 def machine_busy_seconds() -> float:
@@ -173,6 +179,10 @@ def print_table(furcate: Result, hf: Result | None, facts: dict) -> None:
         if r is not None:
             print(f"{name:<10}{r.wall_seconds:>10.2f}{r.output_tok_s:>15.1f}{r.total_tok_s:>15.1f}"
                   f"{r.foreign_cpu_seconds:>15.1f}")
+    for name, r in (("furcate", furcate), ("hf", hf)):
+        if r is not None and r.disturbed:
+            print(f"WARNING: other processes used {r.foreign_cpu_seconds:.0f} CPU-s during the {name} run; "
+                  "its numbers are not trustworthy")
     if hf is not None:
         print(f"furcate / hf output tok/s: {furcate.output_tok_s / hf.output_tok_s:.2f}x")
     print(f"furcate wall time in model forward: {facts['forward_share']:.1%}; "
@@ -222,8 +232,8 @@ def main() -> None:
         "torch_version": torch.__version__,
         "workload": {**{k: v for k, v in vars(args).items() if k not in ("skip_hf", "output", "threads")},
                      "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
-        "furcate": asdict(furcate) | facts,
-        "hf": asdict(hf) if hf else None,
+        "furcate": asdict(furcate) | facts | {"disturbed": furcate.disturbed},
+        "hf": asdict(hf) | {"disturbed": hf.disturbed} if hf else None,
         "ratio_output_tok_s": furcate.output_tok_s / hf.output_tok_s if hf else None,
         "matched_first_prompts": matched,
     }

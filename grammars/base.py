@@ -41,7 +41,7 @@ def normalize(kind: str, value: Any) -> str:
         if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a pydantic model class
             value = value.model_json_schema()
         if isinstance(value, dict):
-            return json.dumps(value, sort_keys=True)
+            return json.dumps(value)
         if not isinstance(value, str):
             raise ValueError(f"json_schema must be a dict, a JSON string or a pydantic model, got {type(value)}")
         if value != ANY_JSON:

@@ -62,18 +62,25 @@ class OutlinesMatcher:
         self._guide.write_mask_into(target.data_ptr(), target.numel(), target.element_size())
 
     def accept(self, token: int) -> bool:
-        if self._terminated or not self._guide.accepts_tokens([token]):
+        if self._terminated:
+            return False
+        if token == self._eos:  # the stop token ends a match that is complete here
+            self._terminated = self._guide.is_finished()
+            return self._terminated
+        if not self._guide.accepts_tokens([token]):
             return False
         self._guide.advance(token, return_tokens=False)
-        self._terminated = token == self._eos
         return True
 
     def is_terminated(self) -> bool:
         return self._terminated
 
     def rollback(self, num_tokens: int) -> None:
-        self._guide.rollback_state(num_tokens)
-        self._terminated = False
+        if self._terminated:  # the stop token never advanced the guide
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens:
+            self._guide.rollback_state(num_tokens)
 
     def jump_forward(self) -> str:
         # outlines-core exposes no forced-string query; jump-forward is an xgrammar feature here.

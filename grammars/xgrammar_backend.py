@@ -11,8 +11,8 @@ from .base import ANY_JSON, GrammarSpec
 
 
 class XGrammarMatcher:
-    def __init__(self, compiled: xgr.CompiledGrammar, max_rollback: int) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback)
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -35,7 +35,7 @@ class XGrammarCompiled:
         self.compiled = compiled
 
     def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self.compiled, max_rollback=200)
+        return XGrammarMatcher(self.compiled)
 
 
 class XGrammarBackend:

@@ -55,7 +55,8 @@ class GrammarQueue:
 
     def fill_masks(self, reqs: list[Req], vocab_size: int) -> tuple[torch.Tensor | None, list[int]]:
         """Bitmask rows for the constrained ones among `reqs` (sampling order), and which rows those are."""
-        constrained = [i for i, req in enumerate(reqs) if req.matcher is not None]
+        # A request that finished while its batch was in flight (overlap loop) needs no mask: its token is dropped.
+        constrained = [i for i, req in enumerate(reqs) if req.matcher is not None and not req.finished]
         if not constrained:
             return None, []
         bitmask = allocate_bitmask(len(reqs), vocab_size)

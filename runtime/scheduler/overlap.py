@@ -53,6 +53,8 @@ class OverlapLoop:
                 in_flight = launched
         finally:
             if in_flight is not None:
+                if not in_flight.sampling_inputs.done():  # never leave the worker waiting on us
+                    in_flight.sampling_inputs.set_exception(RuntimeError("scheduler loop stopped"))
                 in_flight.result.exception()  # let the worker finish before the process goes away
             self.worker.shutdown(wait=True)
 

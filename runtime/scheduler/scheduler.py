@@ -162,6 +162,7 @@ class Scheduler:
             "new_token_ratio": self.memory.new_token_ratio,
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
+            "jumped_tokens": self.jumped_tokens,
         }
 
     def rpc_flush_cache(self) -> bool:

@@ -1,0 +1,118 @@
+"""Constrained decoding: outputs finished by the grammar satisfy their spec; bad specs fail alone; the
+overlapped loop and the plain loop agree."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from furcate import Engine
+from furcate.grammars.base import GrammarSpec, allocate_bitmask
+from furcate.grammars.cache import make_backend
+
+from .conftest import assert_pool_free
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+RANDOM = {"temperature": 1.0, "max_new_tokens": 64}
+
+
+class City(BaseModel):
+    name: str
+    population: int
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+def test_mask_allows_exactly_what_the_matcher_accepts(backend_name, tokenizer):
+    backend = make_backend(backend_name, tokenizer, tokenizer.vocab_size, [2])
+    matcher = backend.compile(GrammarSpec("regex", r"(yes|no)!")).matcher()
+    bitmask = allocate_bitmask(1, tokenizer.vocab_size)
+    matcher.fill_bitmask(bitmask, 0)
+    bits = [(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(tokenizer.vocab_size)]
+    allowed = {t for t, bit in enumerate(bits) if bit}
+    assert tokenizer.encode("yes")[0] in allowed and tokenizer.encode("no")[0] in allowed
+    assert tokenizer.encode("maybe")[0] not in allowed
+    for token in tokenizer.encode("no!"):
+        assert matcher.accept(token)
+    assert matcher.accept(2) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+def test_bad_specs_are_clear_errors(backend_name, tokenizer):
+    backend = make_backend(backend_name, tokenizer, tokenizer.vocab_size, [2])
+    with pytest.raises(ValueError, match="regex"):
+        backend.compile(GrammarSpec("regex", "(unclosed"))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["overlap", "plain"])
+def grammar_engine(request, tiny_model_dirs):
+    with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=4000, torch_num_threads=2,
+                disable_overlap_schedule=request.param) as engine:
+        yield engine
+
+
+def finished_by_grammar(result: dict) -> bool:
+    return result["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_json_schema_outputs_validate(grammar_engine):
+    params = [{**RANDOM, "json_schema": PERSON, "sampling_seed": seed} for seed in range(6)]
+    results = grammar_engine.generate(["Describe a person as JSON:"] * 6, params)
+    finished = [r for r in results if finished_by_grammar(r)]
+    assert finished, "some outputs should close their JSON within 64 tokens"
+    for result in finished:
+        jsonschema.validate(json.loads(result["text"]), PERSON)
+    assert_pool_free(grammar_engine)
+
+
+def test_pydantic_schema_and_regex_and_choices(grammar_engine):
+    city = grammar_engine.generate("A city:", {**RANDOM, "json_schema": City, "sampling_seed": 3})
+    if finished_by_grammar(city):
+        City.model_validate_json(city["text"])
+    phone = grammar_engine.generate("Call", {**RANDOM, "regex": r"\d{3}-\d{4}"})
+    assert re.fullmatch(r"\d{3}-\d{4}", phone["text"])
+    answers = grammar_engine.generate(["Pick:"] * 4, [{**RANDOM, "choices": ["red", "green", "blue"],
+                                                       "sampling_seed": s} for s in range(4)])
+    assert all(a["text"] in ("red", "green", "blue") for a in answers)
+    assert_pool_free(grammar_engine)
+
+
+def test_greedy_constrained_outputs_agree_across_loops(tiny_model_dirs):
+    prompts = ["Describe a person as JSON:", "Person:", "{"]
+    params = {"temperature": 0.0, "max_new_tokens": 40, "json_schema": PERSON}
+    outputs = []
+    for plain in (False, True):
+        with Engine(str(tiny_model_dirs["qwen3"]), max_total_tokens=2000, torch_num_threads=2,
+                    disable_overlap_schedule=plain) as engine:
+            outputs.append([r["output_ids"] for r in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
+
+
+def test_bad_schema_fails_only_its_request(grammar_engine):
+    with pytest.raises(ValueError, match="json_schema"):
+        grammar_engine.generate("x", {**RANDOM, "json_schema": {"type": "object", "properties": 5}})
+    with pytest.raises(ValueError, match="regex"):
+        grammar_engine.generate("x", {**RANDOM, "regex": "(unclosed"})
+    with pytest.raises(ValueError, match="at most one"):
+        grammar_engine.generate("x", {**RANDOM, "regex": "a", "choices": ["a"]})
+    assert grammar_engine.generate("still serving", {"max_new_tokens": 3})["meta_info"]["completion_tokens"] == 3
+    assert_pool_free(grammar_engine)
+
+
+def test_jump_forward_keeps_outputs_valid(tiny_model_dirs):
+    with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=2000, torch_num_threads=2,
+                enable_jump_forward=True) as engine:
+        results = engine.generate(["Person:"] * 3, [{**RANDOM, "json_schema": PERSON, "sampling_seed": s}
+                                                    for s in range(3)])
+        for result in results:
+            if finished_by_grammar(result):
+                jsonschema.validate(json.loads(result["text"]), PERSON)
+        assert engine.get_stats()["jumped_tokens"] > 0
+        assert_pool_free(engine)

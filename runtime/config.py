@@ -46,8 +46,6 @@ class EngineArgs:
     attention_backend: str = "torch_native"
     random_seed: int = 0
     torch_num_threads: int | None = None
-    # Tokens of every new request's expected output reserved at admission, as a share of max_new_tokens.
-    new_token_ratio: float = 0.7
     log_level: str = "warning"
 
     def __post_init__(self) -> None:

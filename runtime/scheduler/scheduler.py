@@ -5,7 +5,6 @@ The loop is three calls: take new messages, build and run the next batch, send w
 
 from __future__ import annotations
 
-import logging
 import random
 from multiprocessing.connection import Connection
 from typing import Any
@@ -16,7 +15,7 @@ from ...grammars.cache import GrammarCache, make_backend
 from ..cache.chunk_cache import ChunkCache
 from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
-from ..io import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
+from ..io import AbortReq, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
 from .memory import MemoryManager
@@ -26,7 +25,6 @@ from .policy import order_waiting
 from .prefill_adder import PrefillAdder
 from .req import Req
 
-logger = logging.getLogger("furcate.scheduler")
 
 
 class Scheduler:

@@ -121,12 +121,13 @@ def throughput(workload: Workload, seconds: float, foreign_cpu_seconds: float) -
     return Result(seconds, workload.output_tokens / seconds, total_tokens / seconds, foreign_cpu_seconds)
 
 
-def run_furcate(workload: Workload, model_dir: str, threads: int) -> tuple[Result, dict, list[list[int]]]:
+def run_furcate(workload: Workload, model_dir: str, threads: int,
+                engine_args: dict) -> tuple[Result, dict, list[list[int]]]:
     """Returns the result, scheduler facts (forward share of wall time, prompt tokens served from the prefix
     cache) and every request's tokens."""
     from furcate.runtime.engine import Engine
 
-    with Engine(model_dir, torch_num_threads=threads) as engine:
+    with Engine(model_dir, torch_num_threads=threads, **engine_args) as engine:
         engine.generate(input_ids=workload.prompts[:2], sampling_params={"max_new_tokens": 4, "temperature": 0})
         # The warm-up prompts must not be served from the prefix cache in the timed run.
         assert engine.flush_cache(), "furcate refused to flush its prefix cache"
@@ -201,6 +202,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads for both systems")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--engine-args", type=json.loads, default={},
+                        help='extra furcate engine arguments as JSON, e.g. \'{"disable_overlap_schedule": true}\'')
     parser.add_argument("--output", default=str(pathlib.Path(__file__).parent / "results" / "offline_throughput.json"))
     return parser.parse_args()
 
@@ -217,7 +220,7 @@ def main() -> None:
                               (args.min_prompt_len, args.max_prompt_len), (args.min_output_len, args.max_output_len))
     print(f"{args.num_prompts} prompts: {workload.prompt_tokens} prompt tokens, {workload.output_tokens} output "
           f"tokens, torch threads {args.threads}")
-    furcate, facts, furcate_tokens = run_furcate(workload, model_dir, args.threads)
+    furcate, facts, furcate_tokens = run_furcate(workload, model_dir, args.threads, args.engine_args)
     hf, matched = None, None
     if not args.skip_hf:
         hf, hf_tokens = run_hf(workload, model_dir, args.hf_batch_size)

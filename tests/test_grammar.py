@@ -51,7 +51,7 @@ def test_bad_specs_are_clear_errors(backend_name, tokenizer):
         backend.compile(GrammarSpec("regex", "(unclosed"))
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["overlap", "plain"])
+@pytest.fixture(scope="module", params=[False, True], ids=["overlap", "plain"])  # disable_overlap_schedule
 def grammar_engine(request, tiny_model_dirs):
     with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=4000, torch_num_threads=2,
                 disable_overlap_schedule=request.param) as engine:

@@ -31,9 +31,10 @@ def expected(hf_reference, tokenizer):
 
 CONFIGS = {
     "radix-lpm": dict(),
-    "plain-loop": dict(disable_overlap_schedule=True),
-    "plain-loop-retracts": dict(disable_overlap_schedule=True, max_total_tokens=100, init_new_token_ratio=0.1,
-                                min_new_token_ratio=0.05),
+    "overlap-loop": dict(disable_overlap_schedule=False),
+    "overlap-loop-retracts": dict(disable_overlap_schedule=False, max_total_tokens=100, init_new_token_ratio=0.1,
+                                  min_new_token_ratio=0.05),
+    "overlap-chunk7-mixed": dict(disable_overlap_schedule=False, chunked_prefill_size=7, enable_mixed_chunk=True),
     "radix-dfs-weight": dict(schedule_policy="dfs-weight"),
     "radix-fcfs-chunk1": dict(schedule_policy="fcfs", chunked_prefill_size=1),
     "radix-fcfs-chunk7": dict(schedule_policy="fcfs", chunked_prefill_size=7),

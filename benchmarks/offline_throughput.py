@@ -58,8 +58,7 @@ class Result:
 
 
 def machine_busy_seconds() -> float:
-    """CPU seconds used since boot by all processes, plus time the hypervisor stole (the /proc/stat "cpu"
-    line: user nice system idle iowait irq softirq steal; guest time is already inside user)."""
+    """CPU seconds used since boot by all processes plus hypervisor steal (/proc/stat: user..steal, not guest)."""
     fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 

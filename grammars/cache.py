@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .base import CompiledGrammar, GrammarBackend, GrammarSpec
 
 
-def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend | None:
+def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 compile_timeout_s: float) -> GrammarBackend | None:
     """The backend chosen by engine argument `grammar_backend`; None for "none"."""
     if name == "none":
         return None
@@ -20,7 +21,7 @@ def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int
     if name == "outlines":
         from .outlines_backend import OutlinesBackend
 
-        return OutlinesBackend(tokenizer, vocab_size, stop_token_ids)
+        return OutlinesBackend(tokenizer, stop_token_ids, compile_timeout_s)
     raise ValueError(f"unknown grammar_backend {name!r}")
 
 
@@ -30,7 +31,7 @@ class GrammarCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="furcate-grammar")
-        self.compile_seconds: list[float] = []
+        self.compile_seconds: deque[float] = deque(maxlen=10_000)
 
     def get(self, spec: GrammarSpec) -> Future:
         """A future of the compiled grammar (already resolved on a hit). A failure raises ValueError from it."""

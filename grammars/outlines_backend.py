@@ -11,8 +11,11 @@ from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
 from .base import ANY_JSON, GrammarSpec
+from .isolated import build_index_isolated
 
 MAX_ROLLBACK = 200
+# Bounds one compile's own allocations; some schemas' DFAs grow past 16 GB.
+COMPILE_MEMORY_LIMIT_BYTES = 4 << 30
 
 
 def gpt2_byte_decoder() -> dict[str, int]:
@@ -99,16 +102,18 @@ class OutlinesCompiled:
 class OutlinesBackend:
     name = "outlines"
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], num_threads: int = 2) -> None:
+    def __init__(self, tokenizer, stop_token_ids: list[int], compile_timeout_s: float) -> None:
         self.eos_token_id = stop_token_ids[0]
+        self.compile_timeout_s = compile_timeout_s
         self._vocabulary = build_vocabulary(tokenizer, self.eos_token_id)
 
     def compile(self, spec: GrammarSpec) -> OutlinesCompiled:
         regex = self._regex(spec)
         try:
-            return OutlinesCompiled(Index(regex, self._vocabulary), self.eos_token_id)
-        except (ValueError, RuntimeError, TypeError) as error:
+            index = build_index_isolated(regex, self._vocabulary, self.compile_timeout_s, COMPILE_MEMORY_LIMIT_BYTES)
+        except ValueError as error:
             raise ValueError(f"{spec.kind} does not compile with outlines-core: {error}") from None
+        return OutlinesCompiled(index, self.eos_token_id)
 
     @staticmethod
     def _regex(spec: GrammarSpec) -> str:

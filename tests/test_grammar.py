@@ -31,7 +31,7 @@ class City(BaseModel):
 
 @pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
 def test_mask_allows_exactly_what_the_matcher_accepts(backend_name, tokenizer):
-    backend = make_backend(backend_name, tokenizer, tokenizer.vocab_size, [2])
+    backend = make_backend(backend_name, tokenizer, tokenizer.vocab_size, [2], compile_timeout_s=30)
     matcher = backend.compile(GrammarSpec("regex", r"(yes|no)!")).matcher()
     bitmask = allocate_bitmask(1, tokenizer.vocab_size)
     matcher.fill_bitmask(bitmask, 0)
@@ -46,7 +46,7 @@ def test_mask_allows_exactly_what_the_matcher_accepts(backend_name, tokenizer):
 
 @pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
 def test_bad_specs_are_clear_errors(backend_name, tokenizer):
-    backend = make_backend(backend_name, tokenizer, tokenizer.vocab_size, [2])
+    backend = make_backend(backend_name, tokenizer, tokenizer.vocab_size, [2], compile_timeout_s=30)
     with pytest.raises(ValueError, match="regex"):
         backend.compile(GrammarSpec("regex", "(unclosed"))
 

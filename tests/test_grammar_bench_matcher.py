@@ -30,7 +30,7 @@ def serializations(data) -> list[str]:
 
 def mismatched_schemas(tokenizer) -> tuple[set[str], set[str]]:
     """(schemas that do not compile, schemas with an instance judged against its `valid` flag)."""
-    backend = make_backend("xgrammar", tokenizer, tokenizer.vocab_size, [EOS])
+    backend = make_backend("xgrammar", tokenizer, tokenizer.vocab_size, [EOS], compile_timeout_s=30)
     failed, mismatched = set(), set()
     for path in sorted(BENCH.glob("*.json")):
         case = json.loads(path.read_text())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -18,6 +19,14 @@ class GrammarQueue:
         self.timeout_s = timeout_s
         self.waiting: list[tuple[Req, object, float]] = []
         self.fill_seconds: deque[float] = deque(maxlen=50_000)  # per request-token mask fill times
+
+    def stats(self) -> dict[str, float | int]:
+        """Grammar compile times (ms) and per request-token mask fill times (us), p50 and p99."""
+        compile_ms = [s * 1e3 for s in self.cache.compile_seconds] if self.cache else []
+        fill_us = [s * 1e6 for s in self.fill_seconds]
+        return {"grammar_compiles": len(compile_ms), "grammar_compile_p50_ms": percentile(compile_ms, 50),
+                "grammar_compile_p99_ms": percentile(compile_ms, 99), "mask_fills": len(fill_us),
+                "mask_fill_p50_us": percentile(fill_us, 50), "mask_fill_p99_us": percentile(fill_us, 99)}
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -65,3 +74,11 @@ class GrammarQueue:
             reqs[i].matcher.fill_bitmask(bitmask, i)
             self.fill_seconds.append(time.perf_counter() - started)
         return bitmask, constrained
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]

@@ -38,7 +38,8 @@ class Scheduler:
         cache_type = ChunkCache if args.disable_radix_cache else RadixCache
         self.cache = cache_type(self.runner.req_pool, self.runner.kv_pool)
         self.memory = MemoryManager(args, self.cache, self.runner.req_pool, self.runner.kv_pool)
-        backend = make_backend(args.grammar_backend, self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids))
+        backend = make_backend(args.grammar_backend, self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids),
+                               args.grammar_compile_timeout)
         self.grammars = GrammarQueue(GrammarCache(backend) if backend else None, args.grammar_compile_timeout)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -161,6 +162,7 @@ class Scheduler:
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "jumped_tokens": self.jumped_tokens,
+            **self.grammars.stats(),
         }
 
     def rpc_flush_cache(self) -> bool:

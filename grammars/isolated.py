@@ -1,7 +1,8 @@
 """Build an outlines-core Index in a child process under a time and memory limit.
 
-outlines-core turns a regex into a token-level DFA; for some JSON schemas that takes minutes and tens of GB. A thread
-cannot stop a compile that is inside Rust, so the compile runs in a process that can be killed. The child is this
+outlines-core turns a JSON schema into a regex and a regex into a token-level DFA; for some schemas either step takes
+minutes and tens of GB. A thread cannot stop a compile that is inside Rust, so both run in a process that can be
+killed. The child is this
 file run as a script: it imports only outlines_core (no torch, no furcate), so it starts in ~30 ms, and it is a fresh
 interpreter, so neither the scheduler's threads nor a user's unguarded script are forked or re-run.
 """
@@ -18,10 +19,10 @@ class CompileLimitExceeded(ValueError):
     """The compile ran out of time or memory; a ValueError so it fails its request like any bad spec."""
 
 
-def build_index_isolated(regex: str, vocabulary, timeout_s: float, memory_limit_bytes: int):
-    """outlines_core.Index(regex, vocabulary), built in a child. Raises CompileLimitExceeded past either limit and
-    ValueError when outlines-core rejects the regex."""
-    request = pickle.dumps((memory_limit_bytes, regex, vocabulary))
+def build_index_isolated(kind: str, source: str, vocabulary, timeout_s: float, memory_limit_bytes: int):
+    """outlines_core.Index for a regex or a JSON schema (`kind` "regex" or "json_schema"), built in a child.
+    Raises CompileLimitExceeded past either limit and ValueError when outlines-core rejects the source."""
+    request = pickle.dumps((memory_limit_bytes, kind, source, vocabulary))
     try:
         done = subprocess.run([sys.executable, "-I", __file__], input=request, capture_output=True,
                               timeout=timeout_s, check=False)
@@ -48,12 +49,14 @@ def _virtual_memory_bytes() -> int:
 
 def _child() -> None:
     from outlines_core import Index
+    from outlines_core.json_schema import build_regex_from_schema
 
-    memory_limit_bytes, regex, vocabulary = pickle.loads(sys.stdin.buffer.read())
+    memory_limit_bytes, kind, source, vocabulary = pickle.loads(sys.stdin.buffer.read())
     # On top of what the interpreter already maps, so the limit bounds the compile's own allocations.
     limit = _virtual_memory_bytes() + memory_limit_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
+        regex = build_regex_from_schema(source) if kind == "json_schema" else source
         result = (True, Index(regex, vocabulary))
     except MemoryError:
         result = (False, "MemoryError")

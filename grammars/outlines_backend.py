@@ -8,7 +8,6 @@ import re
 
 import torch
 from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import build_regex_from_schema
 
 from .base import ANY_JSON, GrammarSpec
 from .isolated import build_index_isolated
@@ -108,23 +107,22 @@ class OutlinesBackend:
         self._vocabulary = build_vocabulary(tokenizer, self.eos_token_id)
 
     def compile(self, spec: GrammarSpec) -> OutlinesCompiled:
-        regex = self._regex(spec)
+        kind, source = self._source(spec)
         try:
-            index = build_index_isolated(regex, self._vocabulary, self.compile_timeout_s, COMPILE_MEMORY_LIMIT_BYTES)
+            index = build_index_isolated(kind, source, self._vocabulary, self.compile_timeout_s,
+                                         COMPILE_MEMORY_LIMIT_BYTES)
         except ValueError as error:
             raise ValueError(f"{spec.kind} does not compile with outlines-core: {error}") from None
         return OutlinesCompiled(index, self.eos_token_id)
 
     @staticmethod
-    def _regex(spec: GrammarSpec) -> str:
+    def _source(spec: GrammarSpec) -> tuple[str, str]:
+        """What the compile child builds from: ("regex", regex) or ("json_schema", schema)."""
         if spec.kind == "regex":
-            return spec.spec
+            return "regex", spec.spec
         if spec.kind == "choices":
-            return "|".join(re.escape(choice) for choice in json.loads(spec.spec))
+            return "regex", "|".join(re.escape(choice) for choice in json.loads(spec.spec))
         if spec.kind == "json_schema" and spec.spec != ANY_JSON:
-            try:
-                return build_regex_from_schema(spec.spec)
-            except (ValueError, RuntimeError, TypeError) as error:
-                raise ValueError(f"json_schema does not compile with outlines-core: {error}") from None
+            return "json_schema", spec.spec
         what = "free-form JSON (json_object)" if spec.kind == "json_schema" else spec.kind
         raise ValueError(f"the outlines backend does not support {what}; use grammar_backend='xgrammar'")

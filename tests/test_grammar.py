@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from furcate import Engine
 from furcate.grammars.base import GrammarSpec, allocate_bitmask
 from furcate.grammars.cache import make_backend
+from furcate.runtime.scheduler.grammar_queue import percentile
 
 from .conftest import assert_pool_free
 
@@ -69,7 +70,17 @@ def test_json_schema_outputs_validate(grammar_engine):
     assert finished, "some outputs should close their JSON within 64 tokens"
     for result in finished:
         jsonschema.validate(json.loads(result["text"]), PERSON)
+    stats = grammar_engine.get_stats()
+    assert stats["grammar_compiles"] >= 1 and stats["mask_fills"] >= sum(
+        r["meta_info"]["completion_tokens"] for r in results) - len(finished)
+    assert stats["mask_fill_p99_us"] >= stats["mask_fill_p50_us"] > 0
     assert_pool_free(grammar_engine)
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile(list(range(1, 101)), 99) == 99 and percentile(list(range(1, 101)), 100) == 100
 
 
 def test_pydantic_schema_and_regex_and_choices(grammar_engine):

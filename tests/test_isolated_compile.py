@@ -16,7 +16,7 @@ EXPLODING = "(a|b)*a(a|b){22}"
 
 
 def test_index_comes_back_and_works():
-    index = build_index_isolated("(ab)+", VOCABULARY, timeout_s=30, memory_limit_bytes=1 << 30)
+    index = build_index_isolated("regex", "(ab)+", VOCABULARY, timeout_s=30, memory_limit_bytes=1 << 30)
     guide = Guide(index)
     assert guide.accepts_tokens([0, 1, 2])
     assert not guide.accepts_tokens([1])
@@ -25,15 +25,22 @@ def test_index_comes_back_and_works():
 def test_time_limit_stops_the_compile():
     started = time.monotonic()
     with pytest.raises(CompileLimitExceeded, match="within 0.5s"):
-        build_index_isolated(EXPLODING, VOCABULARY, timeout_s=0.5, memory_limit_bytes=8 << 30)
+        build_index_isolated("regex", EXPLODING, VOCABULARY, timeout_s=0.5, memory_limit_bytes=8 << 30)
     assert time.monotonic() - started < 10
 
 
 def test_memory_limit_stops_the_compile():
     with pytest.raises(CompileLimitExceeded, match="memory"):
-        build_index_isolated(EXPLODING, VOCABULARY, timeout_s=120, memory_limit_bytes=32 << 20)
+        build_index_isolated("regex", EXPLODING, VOCABULARY, timeout_s=120, memory_limit_bytes=32 << 20)
 
 
 def test_a_rejected_regex_is_named():
     with pytest.raises(ValueError, match="Error"):
-        build_index_isolated("(unclosed", VOCABULARY, timeout_s=30, memory_limit_bytes=1 << 30)
+        build_index_isolated("regex", "(unclosed", VOCABULARY, timeout_s=30, memory_limit_bytes=1 << 30)
+
+
+def test_a_schema_becomes_its_index_in_the_child():
+    vocabulary = Vocabulary(9, {bytes([c]): [c] for c in b'{}":0123456789abcdefghijklmnopqrstuvwxyz'})
+    index = build_index_isolated("json_schema", '{"type": "object", "properties": {"n": {"type": "integer"}}, '
+                                 '"required": ["n"]}', vocabulary, timeout_s=30, memory_limit_bytes=1 << 30)
+    assert Guide(index).accepts_tokens(list(b'{"n":42}'))

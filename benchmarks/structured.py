@@ -16,6 +16,7 @@ and the default model.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import pathlib
@@ -100,17 +101,25 @@ def schema_prompt(tokenizer, schema: dict) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
 
-def validates(schema: dict, text: str) -> bool | None:
-    """Whether the output is an instance of the schema; None when the schema itself cannot be checked."""
+def validation_error(schema: dict, text: str) -> str | None:
+    """Why the output is not an instance of the schema ("" when it is one); None when the schema itself cannot
+    be checked."""
     try:
         instance = json.loads(text)
-    except json.JSONDecodeError:
-        return False
+    except json.JSONDecodeError as error:
+        return f"not JSON: {error}"
     try:
-        validator = jsonschema.validators.validator_for(schema)(schema)
-        return validator.is_valid(instance)
+        error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema)
+                                                 .iter_errors(instance))
     except (jsonschema.exceptions.SchemaError, referencing.exceptions.Unresolvable):
         return None
+    return "" if error is None else f"{error.message[:160]} (at {error.json_path}, {error.validator})"
+
+
+async def generate_each(engine: Engine, prompts: list[list[int]], params: list[dict]) -> list[dict | Exception]:
+    """One result or error per request: a schema that fails to compile fails its own request only."""
+    return await asyncio.gather(*(engine.async_generate(input_ids=prompt, sampling_params=param)
+                                  for prompt, param in zip(prompts, params)), return_exceptions=True)
 
 
 def measure_compliance(backend_name: str, tokenizer, cases: dict[str, dict], names: list[str], threads: int,
@@ -118,28 +127,31 @@ def measure_compliance(backend_name: str, tokenizer, cases: dict[str, dict], nam
     prompts = [schema_prompt(tokenizer, cases[name]["schema"]) for name in names]
     params = [{"temperature": 0.0, "max_new_tokens": max_new_tokens, "json_schema": json.dumps(cases[name]["schema"])}
               for name in names]
+    # Compiles compete with decoding for the cores here, so they get more time than in the coverage pass.
     with Engine("default", torch_num_threads=threads, grammar_backend=backend_name,
-                grammar_compile_timeout=timeout_s) as engine:
+                grammar_compile_timeout=3 * timeout_s) as engine:
         started = time.perf_counter()
-        results = engine.generate(input_ids=prompts, sampling_params=params)
+        results = asyncio.run(generate_each(engine, prompts, params))
         wall = time.perf_counter() - started
         stats = engine.get_stats()
-    finished, valid, unchecked, invalid_names = 0, 0, 0, []
+    failed = {name: str(r) for name, r in zip(names, results) if isinstance(r, Exception)}
+    finished, valid, unchecked, invalid = 0, 0, 0, {}
     for name, result in zip(names, results):
-        if result["meta_info"]["finish_reason"]["type"] != "stop":
+        if isinstance(result, Exception) or result["meta_info"]["finish_reason"]["type"] != "stop":
             continue
         finished += 1
-        verdict = validates(cases[name]["schema"], result["text"])
-        if verdict is None:
+        problem = validation_error(cases[name]["schema"], result["text"])
+        if problem is None:
             unchecked += 1
-        elif verdict:
-            valid += 1
+        elif problem:
+            invalid[name] = {"why": problem, "output": result["text"][:300]}
         else:
-            invalid_names.append(name)
+            valid += 1
     checked = finished - unchecked
-    return {"schemas": len(names), "finished_by_grammar": finished, "unchecked": unchecked, "valid": valid,
-            "compliance": valid / checked if checked else None, "invalid": invalid_names, "wall_seconds": wall,
-            "output_tokens": sum(r["meta_info"]["completion_tokens"] for r in results),
+    return {"schemas": len(names), "failed": failed, "finished_by_grammar": finished, "unchecked": unchecked,
+            "valid": valid, "compliance": valid / checked if checked else None, "invalid": invalid,
+            "wall_seconds": wall,
+            "output_tokens": sum(r["meta_info"]["completion_tokens"] for r in results if isinstance(r, dict)),
             "mask_fill_p50_us": stats["mask_fill_p50_us"], "mask_fill_p99_us": stats["mask_fill_p99_us"],
             "mask_fills": stats["mask_fills"]}
 
@@ -243,6 +255,12 @@ def main() -> None:
     report: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "settings": vars(args), "coverage": {}, "compliance": {}}
 
+    output = pathlib.Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section, so a late failure keeps what was measured
+        output.write_text(json.dumps(report, indent=2) + "\n")
+
     for name in backends:
         coverage = measure_coverage(name, tokenizer, cases, args.compile_timeout)
         report["coverage"][name] = coverage.summary(len(cases)) | {"failed": coverage.failed}
@@ -253,10 +271,12 @@ def main() -> None:
         compliance = measure_compliance(name, tokenizer, cases, sample, args.threads, args.compliance_max_new_tokens,
                                         args.compile_timeout)
         report["compliance"][name] = compliance
-        print(f"{name}: {compliance['finished_by_grammar']}/{compliance['schemas']} finished by the grammar, "
+        print(f"{name}: {compliance['finished_by_grammar']}/{compliance['schemas']} finished by the grammar "
+              f"({len(compliance['failed'])} failed), "
               f"{compliance['valid']} valid, {compliance['unchecked']} unchecked -> compliance "
               f"{compliance['compliance']}; mask fill p50 {compliance['mask_fill_p50_us']:.0f} us p99 "
               f"{compliance['mask_fill_p99_us']:.0f} us", flush=True)
+        save()
 
     print("decode cost on the default model (xgrammar):", flush=True)
     rows = measure_cost(tokenizer, args.threads, args.cost_max_new_tokens, args.repeats)
@@ -265,9 +285,7 @@ def main() -> None:
     for key, ratio in report["cost_ratios"].items():
         print(f"  {key:<55} {ratio:.3f}")
 
-    output = pathlib.Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2) + "\n")
+    save()
     print(f"wrote {output}")
 
 

@@ -9,6 +9,20 @@ import xgrammar as xgr
 
 from .base import ANY_JSON, GrammarSpec
 
+# xgrammar (through 0.2.9, its issue #800) lowers a string with minLength/maxLength to a repetition of this class:
+# it admits raw control characters, which JSON forbids (json.loads rejects the output), and no escapes. Each
+# repetition must be one JSON string character: an unescaped one or an escape sequence.
+LENGTH_BOUNDED_CHAR = r'(([^\"\\\r\n]))'
+JSON_STRING_CHAR = (r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | '
+                    r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))')
+
+
+def json_schema_grammar(schema: str) -> xgr.Grammar | str:
+    """The schema's grammar, as EBNF text with length-bounded strings repaired when it has any."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    text = str(grammar)
+    return text.replace(LENGTH_BOUNDED_CHAR, JSON_STRING_CHAR) if LENGTH_BOUNDED_CHAR in text else grammar
+
 
 class XGrammarMatcher:
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
@@ -56,7 +70,7 @@ class XGrammarBackend:
         if spec.kind == "json_schema":
             if spec.spec == ANY_JSON:
                 return self._compiler.compile_builtin_json_grammar()
-            return self._compiler.compile_json_schema(spec.spec, any_whitespace=False)
+            return self._compiler.compile_grammar(json_schema_grammar(spec.spec))
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.spec)
         if spec.kind == "ebnf":

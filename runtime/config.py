@@ -38,8 +38,9 @@ class EngineArgs:
     grammar_backend: str = "xgrammar"
     # A grammar still compiling after this many seconds fails its request (others are never held up).
     grammar_compile_timeout: float = 30.0
-    # Append the tokens a grammar forces (e.g. `{"name": "`) without sampling them one by one.
-    enable_jump_forward: bool = False
+    # Jump-forward appends the tokens a grammar forces (e.g. `{"name": "`) without sampling them one by one.
+    # On by default: benchmarks/structured.py measured it faster at batch 1 and 16.
+    disable_jump_forward: bool = False
     # Share of a request's remaining max_new_tokens reserved at admission; it decays towards the minimum
     # while memory lasts and jumps back up after a retraction.
     init_new_token_ratio: float = 0.7

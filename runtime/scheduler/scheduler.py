@@ -259,7 +259,8 @@ class Scheduler:
                 if req.finished:
                     continue
             self.take_token(req, result.next_ids[b], result.output_logprobs.get(b), result.output_top.get(b))
-            if not req.finished and self.args.enable_jump_forward and self.jump_forward(req) and id(req) in in_flight:
+            jumped = not req.finished and not self.args.disable_jump_forward and self.jump_forward(req)
+            if jumped and id(req) in in_flight:
                 req.discard_next, req.future_slot = True, None
             if req.finished:
                 self.memory.release(req)

@@ -308,7 +308,8 @@ def main() -> None:
 
     for name in backends if "grammars" in args.sections else ():
         coverage = measure_coverage(name, tokenizer, cases, args.compile_timeout)
-        report["coverage"][name] = coverage.summary(len(cases)) | {"failed": coverage.failed}
+        report["coverage"][name] = coverage.summary(len(cases)) | {"failed": coverage.failed,
+                                                                   "approximated_schemas": coverage.approximated}
         summary = report["coverage"][name]
         print(f"{name}: compiled {summary['compiled']}/{len(cases)}, compile p50 {summary['compile_p50_ms']:.1f} ms"
               f" p99 {summary['compile_p99_ms']:.1f} ms, failures {summary['failures_by_kind']}", flush=True)

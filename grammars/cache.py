@@ -32,6 +32,7 @@ class GrammarCache:
         self._entries: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="furcate-grammar")
         self.compile_seconds: deque[float] = deque(maxlen=10_000)
+        self._started: dict[GrammarSpec, float] = {}  # time.monotonic() when each compile began running
 
     def get(self, spec: GrammarSpec) -> Future:
         """A future of the compiled grammar (already resolved on a hit). A failure raises ValueError from it."""
@@ -44,7 +45,12 @@ class GrammarCache:
         self._trim()
         return future
 
+    def started_at(self, spec: GrammarSpec) -> float | None:
+        """When the compile of `spec` began running (time.monotonic()); None while it waits for a worker."""
+        return self._started.get(spec)
+
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        self._started[spec] = time.monotonic()
         started = time.perf_counter()
         try:
             return self.backend.compile(spec)
@@ -58,6 +64,7 @@ class GrammarCache:
                 return
             if self._entries[spec].done():
                 del self._entries[spec]
+                self._started.pop(spec, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -36,7 +36,8 @@ class EngineArgs:
     # where the scheduler thread competes with torch's threads; so it is opt-in here.
     disable_overlap_schedule: bool = True
     grammar_backend: str = "xgrammar"
-    # A grammar still compiling after this many seconds fails its request (others are never held up).
+    # A grammar still compiling this many seconds after its compile began fails its request (others are never
+    # held up); outlines-core compiles are killed then.
     grammar_compile_timeout: float = 30.0
     # Jump-forward appends the tokens a grammar forces (e.g. `{"name": "`) without sampling them one by one.
     # On by default: benchmarks/structured.py measured it faster at batch 1 and 16.

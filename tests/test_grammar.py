@@ -3,6 +3,7 @@ overlapped loop and the plain loop agree."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -141,4 +142,21 @@ def test_jump_forward_keeps_outputs_valid(tiny_model_dirs, no_jump_forward):
             if finished_by_grammar(result):
                 jsonschema.validate(json.loads(result["text"]), PERSON)
         assert (engine.get_stats()["jumped_tokens"] > 0) != no_jump_forward
+        assert_pool_free(engine)
+
+
+def test_outlines_compile_limit_fails_only_slow_grammars(tiny_model_dirs):
+    """Each compile gets the full timeout from when it starts, so a grammar queued behind slow ones still runs."""
+    exploding = {"regex": "(a|b)*a(a|b){24}", "max_new_tokens": 4}
+    simple = {"regex": "(yes|no)", "temperature": 0.0, "max_new_tokens": 4}
+
+    async def run(engine):
+        return await asyncio.gather(*(engine.async_generate("x", params) for params in [exploding] * 3 + [simple]),
+                                    return_exceptions=True)
+
+    with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=2000, torch_num_threads=2,
+                grammar_backend="outlines", grammar_compile_timeout=1.5) as engine:
+        *slow, fine = asyncio.run(run(engine))
+        assert all(isinstance(error, ValueError) and "within 1.5s" in str(error) for error in slow), slow
+        assert fine["text"] in ("yes", "no")
         assert_pool_free(engine)

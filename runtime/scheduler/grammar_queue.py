@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import torch
 
@@ -17,7 +18,7 @@ class GrammarQueue:
     def __init__(self, cache: GrammarCache | None, timeout_s: float) -> None:
         self.cache = cache
         self.timeout_s = timeout_s
-        self.waiting: list[tuple[Req, object, float]] = []
+        self.waiting: list[tuple[Req, Future]] = []
         self.fill_seconds: deque[float] = deque(maxlen=50_000)  # per request-token mask fill times
 
     def stats(self) -> dict[str, float | int]:
@@ -35,25 +36,26 @@ class GrammarQueue:
         """Start compiling; returns an error message when the request cannot be constrained at all."""
         if self.cache is None:
             return "constrained decoding needs a grammar backend (grammar_backend is 'none')"
-        deadline = time.monotonic() + self.timeout_s
-        self.waiting.append((req, self.cache.get(req.params.grammar), deadline))
+        self.waiting.append((req, self.cache.get(req.params.grammar)))
         return None
 
     def pop_settled(self) -> tuple[list[Req], list[tuple[Req, str]]]:
         """Requests whose grammar compiled (matcher attached) and those that failed, with the reason."""
         ready, failed, still = [], [], []
         now = time.monotonic()
-        for req, future, deadline in self.waiting:
+        for req, future in self.waiting:
+            # The clock starts when the compile does: time queued behind other compiles does not count.
+            started = self.cache.started_at(req.params.grammar)
             if future.done():
                 try:
                     req.matcher = future.result().matcher()
                     ready.append(req)
                 except ValueError as error:
                     failed.append((req, str(error)))
-            elif now > deadline:
+            elif started is not None and now - started > self.timeout_s:
                 failed.append((req, f"{req.params.grammar.kind} did not compile within {self.timeout_s:g}s"))
             else:
-                still.append((req, future, deadline))
+                still.append((req, future))
         self.waiting = still
         return ready, failed
 

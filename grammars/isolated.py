@@ -2,8 +2,8 @@
 
 outlines-core turns a JSON schema into a regex and a regex into a token-level DFA; for some schemas either step takes
 minutes and tens of GB. A thread cannot stop a compile that is inside Rust, so both run in a process that can be
-killed. The child is this
-file run as a script: it imports only outlines_core (no torch, no furcate), so it starts in ~30 ms, and it is a fresh
+killed. The child is this file run as a script: it imports only outlines_core (no torch, no furcate, which is also
+why it reads /proc itself rather than sharing the runtime's helper), so it starts in ~30 ms, and it is a fresh
 interpreter, so neither the scheduler's threads nor a user's unguarded script are forked or re-run.
 """
 

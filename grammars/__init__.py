@@ -1,5 +1,5 @@
 """Constrained decoding: a small backend protocol with xgrammar and outlines-core behind it."""
 
-from .base import ANY_JSON, GrammarSpec
+from .spec import ANY_JSON, GrammarSpec
 
 __all__ = ["ANY_JSON", "GrammarSpec"]

@@ -5,58 +5,14 @@ Masks use one packed layout for every backend: int32 words, bit j of word i set 
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-KINDS = ("json_schema", "regex", "ebnf", "choices")
-# SGLang's spelling of "any JSON value" (OpenAI's response_format json_object).
-ANY_JSON = "$$ANY$$"
+from .spec import ANY_JSON, KINDS, GrammarSpec, normalize
 
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What to constrain to. `spec` is a string so specs hash, pickle and key the compile cache."""
-
-    kind: str
-    spec: str
-
-    @classmethod
-    def from_params(cls, json_schema: Any = None, regex: str | None = None, ebnf: str | None = None,
-                    choices: list[str] | None = None) -> "GrammarSpec | None":
-        given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf),
-                                   ("choices", choices)) if v is not None}
-        if not given:
-            return None
-        if len(given) > 1:
-            raise ValueError(f"give at most one of json_schema, regex, ebnf, choices; got {sorted(given)}")
-        kind, value = next(iter(given.items()))
-        return cls(kind, normalize(kind, value))
-
-
-def normalize(kind: str, value: Any) -> str:
-    if kind == "json_schema":
-        if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a pydantic model class
-            value = value.model_json_schema()
-        if isinstance(value, dict):
-            return json.dumps(value)
-        if not isinstance(value, str):
-            raise ValueError(f"json_schema must be a dict, a JSON string or a pydantic model, got {type(value)}")
-        if value != ANY_JSON:
-            try:
-                json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"json_schema is not valid JSON: {error}") from None
-        return value
-    if kind == "choices":
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
-            raise ValueError("choices must be a non-empty list of non-empty strings")
-        return json.dumps(list(value))
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{kind} must be a non-empty string")
-    return value
+__all__ = ["ANY_JSON", "KINDS", "GrammarSpec", "normalize", "Matcher", "CompiledGrammar", "GrammarBackend",
+           "allocate_bitmask", "apply_bitmask"]
 
 
 class Matcher(Protocol):

@@ -9,7 +9,7 @@ import re
 import torch
 from outlines_core import Guide, Index, Vocabulary
 
-from .base import ANY_JSON, GrammarSpec
+from .spec import ANY_JSON, GrammarSpec
 from .isolated import build_index_isolated
 
 MAX_ROLLBACK = 200

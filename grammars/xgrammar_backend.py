@@ -7,7 +7,7 @@ import json
 import torch
 import xgrammar as xgr
 
-from .base import ANY_JSON, GrammarSpec
+from .spec import ANY_JSON, GrammarSpec
 
 # xgrammar (through 0.2.9, its issue #800) lowers a string with minLength/maxLength to a repetition of this class,
 # which admits raw control characters: JSON forbids them, and json.loads rejects such output. We exclude them.

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...grammars.base import GrammarSpec
+from ...grammars.spec import GrammarSpec
 
 # Below this temperature sampling is argmax, as in SGLang.
 GREEDY_TEMPERATURE = 1e-5
@@ -20,6 +21,8 @@ class SamplingParams:
     n: int = 1
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Regular expressions searched in the output text; the first match ends generation like a stop string.
+    stop_regex: list[str] = field(default_factory=list)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -50,10 +53,11 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         if raw.get("max_new_tokens", 0) is None:
             raw.pop("max_new_tokens")
-        if isinstance(raw.get("stop"), str):
-            raw["stop"] = [raw["stop"]]
-        if raw.get("stop") is None:
-            raw.pop("stop", None)
+        for name in ("stop", "stop_regex"):
+            if isinstance(raw.get(name), str):
+                raw[name] = [raw[name]]
+            if raw.get(name) is None:
+                raw.pop(name, None)
         if raw.get("stop_token_ids") is None:
             raw.pop("stop_token_ids", None)
         if raw.get("logit_bias") is not None:
@@ -92,6 +96,13 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
+            raise ValueError(f"stop_regex must be a non-empty string or a list of them, got {self.stop_regex!r}")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"stop_regex {pattern!r} does not compile: {error}") from None
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.sampling_seed is not None:

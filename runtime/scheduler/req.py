@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,6 +133,13 @@ class Req:
                 for stop in params.stop:
                     if stop in tail:
                         return {"type": "stop", "matched": stop}
+            if params.stop_regex:
+                # A regex match can span any length, so search the whole output (only requests that ask pay).
+                text = decode_tail(self.output_ids, params.skip_special_tokens)
+                for pattern in params.stop_regex:
+                    match = re.search(pattern, text)
+                    if match:
+                        return {"type": "stop", "matched": match.group(0)}
         if len(self.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
         if len(self.input_ids) + len(self.output_ids) >= context_length:

@@ -1,0 +1,248 @@
+"""Runs one program state's nodes in order, as a task on the interpreter loop; one handler per node kind.
+
+The program's thread only submits nodes (`s += ...` returns at once) and waits where it reads; the first
+failing node is recorded as a ProgramError, every later node is skipped, and every read re-raises it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+from ..lang.choices import ChoicesDecision
+from ..lang.ir import (
+    CommitPrefix, Concat, Constant, Expr, Gen, Image, RoleBegin, RoleEnd, Select, SetVar, VarRef, VarScopeBegin,
+    VarScopeEnd, Video, defined_names,
+)
+from .backends.base import Backend
+from .errors import ProgramError
+from .events import EventLog, TextEvent
+from .loop import call_soon, on_interpreter_loop
+
+
+class EndOfProgram(Expr):
+    """Submitted after the program's function returns: closes the stream of text."""
+
+    def describe(self) -> str:
+        return "end of program"
+
+
+class Executor:
+    def __init__(self, backend: Backend, sampling: dict[str, Any], logprobs: dict[str, Any], stream: bool) -> None:
+        self.backend = backend
+        self.sampling = sampling  # run()'s defaults, in the runtime's names
+        self.logprobs = logprobs
+        self.stream = stream
+        self.text = ""
+        self.variables: dict[str | None, Any] = {}
+        self.meta_info: dict[str | None, Any] = {}
+        self.output_types: dict[str | None, Any] = {}
+        self.messages: list[dict[str, str]] = []
+        self.role: str | None = None
+        self.role_begin = 0
+        self.fork_start = 0
+        self.scopes: dict[str, int] = {}
+        self.error: ProgramError | None = None
+        self.log = EventLog()
+        self._queue: deque[tuple[Expr, Future]] = deque()
+        self._draining = False
+        self._pending: dict[str | None, Future] = {}
+        self._last: Future | None = None
+        self._lock = threading.Lock()
+
+    # -- the program's side ---------------------------------------------------------------------------------
+
+    def submit(self, expr: Expr) -> Future:
+        future: Future = Future()
+        with self._lock:  # the loop must see nodes in the order their futures were registered
+            for name in defined_names(expr):
+                self._pending[name] = future
+            self._last = future
+            call_soon(self._enqueue, expr, future)
+        return future
+
+    def last_future(self) -> Future | None:
+        return self._last
+
+    def future_of(self, name: str | None) -> Future | None:
+        """The pending node that sets `name` last, if any: a read waits for it."""
+        return self._pending.get(name)
+
+    def fail_body(self, error: BaseException, program: str) -> None:
+        """The program's own code raised: record it like a failed node so reads and streams see it."""
+        if self.error is None:
+            self.error = ProgramError(f"program {program}", error)
+            self.log.close(self.error)
+
+    def end(self) -> None:
+        self.submit(EndOfProgram())
+
+    def child(self) -> "Executor":
+        """A fork child: a copy of this state as it is now (call after sync)."""
+        child = Executor(self.backend, self.sampling, self.logprobs, self.stream)
+        child.text = self.text
+        child.variables = dict(self.variables)
+        child.meta_info = dict(self.meta_info)
+        child.output_types = dict(self.output_types)
+        child.messages = list(self.messages)
+        child.role, child.role_begin = self.role, self.role_begin
+        child.fork_start = len(self.text)
+        return child
+
+    @staticmethod
+    def wait(future: Future) -> None:
+        if on_interpreter_loop():
+            raise RuntimeError("a blocking read of a program state on the interpreter's own loop; in an async "
+                               "program use `await state.aget(name)` or `await state.async_sync()`")
+        future.result()
+
+    # -- the loop's side ------------------------------------------------------------------------------------
+
+    def _enqueue(self, expr: Expr, future: Future) -> None:
+        self._queue.append((expr, future))
+        if not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                expr, future = self._queue.popleft()
+                if self.error is None:
+                    try:
+                        await self._execute(expr)
+                    except ProgramError as error:
+                        self._fail(error)
+                if self.error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(self.error)
+        finally:
+            self._draining = False
+
+    def _fail(self, error: ProgramError) -> None:
+        self.error = error
+        self.log.close(error)
+
+    async def _execute(self, expr: Expr) -> None:
+        if isinstance(expr, Concat):
+            for part in expr.parts:
+                await self._execute(part)
+            return
+        handler = HANDLERS.get(type(expr))
+        try:
+            if handler is None:
+                raise TypeError(f"cannot run a {type(expr).__name__} node")
+            await handler(self, expr)
+        except Exception as error:  # noqa: BLE001 - every failure becomes the node's ProgramError
+            raise ProgramError(expr.describe(), error) from error
+
+    def _append(self, text: str, var: str | None = None, meta_info: dict | None = None) -> None:
+        self.text += text
+        if text:
+            self.log.append(TextEvent(text, var, meta_info))
+
+    def _set_var(self, name: str | None, value: Any, meta_info: Any = None, output_type: Any = None) -> None:
+        self.variables[name] = value
+        self.meta_info[name] = meta_info
+        self.output_types[name] = output_type
+        self.log.append(TextEvent("", name, meta_info, done=True))
+
+    # -- one handler per node kind --------------------------------------------------------------------------
+
+    async def _constant(self, expr: Constant) -> None:
+        self._append(expr.text)
+
+    async def _gen(self, expr: Gen) -> None:
+        sampling = {**self.sampling, **expr.sampling}
+        if expr.constraint is not None:
+            sampling[expr.constraint.kind] = expr.constraint.spec
+        logprobs = {**self.logprobs, **expr.logprobs}
+        if self.stream and sampling.get("n", 1) == 1:
+            await self._gen_streaming(expr, sampling, logprobs)
+            return
+        result = await self.backend.generate(self.text, sampling, **logprobs)
+        if isinstance(result, list):  # n > 1: the variable holds every sample; the text continues with the first
+            self._append(result[0]["text"], expr.name)
+            self._set_var(expr.name, [r["text"] for r in result], [r["meta_info"] for r in result],
+                          expr.output_type)
+        else:
+            self._append(result["text"], expr.name, result["meta_info"])
+            self._set_var(expr.name, result["text"], result["meta_info"], expr.output_type)
+
+    async def _gen_streaming(self, expr: Gen, sampling: dict[str, Any], logprobs: dict[str, Any]) -> None:
+        prompt, start, meta_info = self.text, len(self.text), None
+        async for chunk in self.backend.generate_stream(prompt, sampling, **logprobs):
+            sent = self.text[start:]
+            meta_info = chunk["meta_info"]
+            if chunk["text"].startswith(sent):
+                self._append(chunk["text"][len(sent):], expr.name, meta_info)
+            else:  # the final text was trimmed (a stop regex matched across what was already streamed)
+                self.text = prompt + chunk["text"]
+        self._set_var(expr.name, self.text[start:], meta_info, expr.output_type)
+
+    async def _select(self, expr: Select) -> None:
+        method = expr.choices_method
+        choices = list(expr.choices)
+        scores = await self.backend.score_choices(self.text, choices, method.requires_unconditional)
+        decision: ChoicesDecision = method(choices, scores, expr.temperature)
+        self._append(decision.decision, expr.name, decision.meta_info)
+        self._set_var(expr.name, decision.decision, decision.meta_info)
+
+    async def _role_begin(self, expr: RoleBegin) -> None:
+        if self.role is not None:
+            raise ValueError(f"the {expr.role} role begins inside the {self.role} role; roles do not nest")
+        template = self.backend.chat_template()
+        if not self.messages and expr.role != "system":
+            default_system = template.default_system_prompt()
+            if default_system:  # the template would insert it; keep text and messages() in step
+                markers = template.markers("system")
+                self._append(markers.first_prefix + default_system + markers.suffix)
+                self.messages.append({"role": "system", "content": default_system})
+        markers = template.markers(expr.role)
+        self._append(markers.prefix if self.messages else markers.first_prefix)
+        self.role, self.role_begin = expr.role, len(self.text)
+
+    async def _role_end(self, expr: RoleEnd) -> None:
+        if self.role != expr.role:
+            raise ValueError(f"{expr.role}_end without a matching {expr.role}_begin (open role: {self.role})")
+        content = self.text[self.role_begin:]
+        self._append(self.backend.chat_template().markers(expr.role).suffix)
+        self.messages.append({"role": expr.role, "content": content})
+        self.role = None
+
+    async def _media(self, expr: Image | Video) -> None:
+        raise ValueError(f"this backend ({type(self.backend).__name__}) serves a text-only model; it takes no "
+                         f"{expr.describe()} input")
+
+    async def _var_ref(self, expr: VarRef) -> None:
+        if expr.name not in self.variables:
+            raise KeyError(f"no variable {expr.name!r}")
+        self._append(str(self.variables[expr.name]))
+
+    async def _set(self, expr: SetVar) -> None:
+        self._set_var(expr.name, expr.value)
+
+    async def _scope_begin(self, expr: VarScopeBegin) -> None:
+        self.scopes[expr.name] = len(self.text)
+
+    async def _scope_end(self, expr: VarScopeEnd) -> None:
+        self._set_var(expr.name, self.text[self.scopes.pop(expr.name):])
+
+    async def _commit(self, expr: CommitPrefix) -> None:
+        if self.text:
+            await self.backend.cache_prefix(self.text)
+
+    async def _end(self, expr: EndOfProgram) -> None:
+        self.log.close()
+
+
+HANDLERS = {
+    Constant: Executor._constant, Gen: Executor._gen, Select: Executor._select, RoleBegin: Executor._role_begin,
+    RoleEnd: Executor._role_end, Image: Executor._media, Video: Executor._media, VarRef: Executor._var_ref,
+    SetVar: Executor._set, VarScopeBegin: Executor._scope_begin, VarScopeEnd: Executor._scope_end,
+    CommitPrefix: Executor._commit, EndOfProgram: Executor._end,
+}

@@ -7,6 +7,7 @@ failing node is recorded as a ProgramError, every later node is skipped, and eve
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -21,6 +22,11 @@ from .backends.base import Backend
 from .errors import ProgramError
 from .events import EventLog, TextEvent
 from .loop import call_soon, on_interpreter_loop
+
+
+# The executor whose program function is running in this context (its reads must not wait for it to return).
+RUNNING_BODY: contextvars.ContextVar["Executor | None"] = contextvars.ContextVar("furcate_running_body",
+                                                                                  default=None)
 
 
 class EndOfProgram(Expr):
@@ -52,8 +58,17 @@ class Executor:
         self._pending: dict[str | None, Future] = {}
         self._last: Future | None = None
         self._lock = threading.Lock()
+        # Cleared while the program's function runs on another thread (stream=True): a read of a variable
+        # that no node has set yet waits for the function to return before deciding the variable is missing.
+        self.body_returned = threading.Event()
+        self.body_returned.set()
 
     # -- the program's side ---------------------------------------------------------------------------------
+
+    def wait_for_body(self) -> None:
+        """Called before deciding a variable no node sets is missing: the program may still add that node."""
+        if RUNNING_BODY.get() is not self:
+            self.body_returned.wait()
 
     def submit(self, expr: Expr) -> Future:
         future: Future = Future()

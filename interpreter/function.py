@@ -17,7 +17,7 @@ from ..lang.tracing import Trace, constant_prefix, trace
 from .backends.base import Backend
 from .backends.resolve import resolve_backend
 from .errors import ProgramError
-from .executor import Executor
+from .executor import RUNNING_BODY, Executor
 from .loop import run_coroutine
 from .state import ProgramState
 
@@ -85,6 +85,7 @@ class Function:
             return asyncio.run(self._arun(arguments, options, backend))
         state = self._new_state(backend, options)
         if options.stream:
+            state.executor.body_returned.clear()
             threading.Thread(target=self._body_quietly, args=(state, arguments), daemon=True,
                              name=f"furcate-{self.program.name}").start()
             return state
@@ -101,6 +102,7 @@ class Function:
     async def _arun(self, arguments: dict[str, Any], options: RunOptions, backend: Backend) -> ProgramState:
         state = self._new_state(backend, options)
         if options.stream:
+            state.executor.body_returned.clear()
             state._body_task = asyncio.ensure_future(self._abody(state, arguments, quiet=True))  # type: ignore
             return state
         await self._abody(state, arguments, quiet=False)
@@ -111,13 +113,16 @@ class Function:
         return ProgramState(Executor(backend, options.sampling, options.logprobs, options.stream))
 
     def _body(self, state: ProgramState, arguments: dict[str, Any]) -> None:
+        token = RUNNING_BODY.set(state.executor)
         try:
             state.ret_value = self.program.func(state, **arguments)
         except BaseException as error:
             state.executor.fail_body(error, self.program.name)
             raise
         finally:
+            RUNNING_BODY.reset(token)
             state.executor.end()
+            state.executor.body_returned.set()
 
     def _body_quietly(self, state: ProgramState, arguments: dict[str, Any]) -> None:
         try:
@@ -126,6 +131,7 @@ class Function:
             pass
 
     async def _abody(self, state: ProgramState, arguments: dict[str, Any], quiet: bool) -> None:
+        token = RUNNING_BODY.set(state.executor)
         try:
             if self.program.is_async:
                 state.ret_value = await self.program.func(state, **arguments)
@@ -136,7 +142,9 @@ class Function:
             if not quiet:
                 raise
         finally:
+            RUNNING_BODY.reset(token)
             state.executor.end()
+            state.executor.body_returned.set()
 
     # -- many programs ----------------------------------------------------------------------------------------
 
@@ -148,9 +156,10 @@ class Function:
         Returns the states in input order (an iterator of them with generator_style). A program that fails does
         not stop the others: its state raises ProgramError where it is read.
         """
-        options = RunOptions.pop_from(dict(sampling, backend=backend))
-        if sampling:
-            raise TypeError(f"run_batch() got unexpected keyword(s): {', '.join(sorted(sampling))}")
+        rest = dict(sampling, backend=backend)
+        options = RunOptions.pop_from(rest)
+        if rest:
+            raise TypeError(f"run_batch() got unexpected keyword(s): {', '.join(sorted(rest))}")
         backend_obj = resolve_backend(options.backend)
         calls = [self._bind_item(item) for item in _check_batch(batch_kwargs)]
         if self.program.is_async:
@@ -165,9 +174,10 @@ class Function:
     async def arun_batch(self, batch_kwargs: list[dict[str, Any] | tuple], *, backend: Any = None,
                          progress_bar: bool = False, **sampling: Any) -> list[ProgramState]:
         """Async run_batch(): `async def` programs run as tasks on the caller's loop, with no thread each."""
-        options = RunOptions.pop_from(dict(sampling, backend=backend))
-        if sampling:
-            raise TypeError(f"arun_batch() got unexpected keyword(s): {', '.join(sorted(sampling))}")
+        rest = dict(sampling, backend=backend)
+        options = RunOptions.pop_from(rest)
+        if rest:
+            raise TypeError(f"arun_batch() got unexpected keyword(s): {', '.join(sorted(rest))}")
         calls = [self._bind_item(item) for item in _check_batch(batch_kwargs)]
         return await self._arun_batch(calls, options, resolve_backend(options.backend), progress_bar)
 

@@ -86,6 +86,8 @@ class ProgramState:
 
     def get_var(self, name: str | None) -> Any:
         """The variable's value, once the node that sets it has run; a failed node raises its ProgramError."""
+        if self.executor.future_of(name) is None:
+            self.executor.wait_for_body()
         self.executor.wait(self.executor.future_of(name) or self.executor.last_future() or _done())
         return self._lookup(name)
 
@@ -99,6 +101,8 @@ class ProgramState:
 
     async def aget(self, name: str | None, type: Any = None) -> Any:  # noqa: A002
         """Async twin of get(): awaits without blocking the caller's event loop."""
+        if self.executor.future_of(name) is None:
+            await asyncio.to_thread(self.executor.wait_for_body)
         await asyncio.wrap_future(self.executor.future_of(name) or self.executor.last_future() or _done())
         value = self._lookup(name)
         return parse_value(value, type if type is not None else self.executor.output_types.get(name))
@@ -179,7 +183,8 @@ class ProgramState:
         return events, var_done or (log.closed and len(log.events) == index + len(events))
 
     def __repr__(self) -> str:
-        return f"ProgramState({self.text()!r})"
+        # No waiting here: a debugger or a log line must not block on (or raise from) pending nodes.
+        return f"ProgramState({self.executor.text!r})"
 
 
 class ProgramStateGroup:

@@ -16,7 +16,7 @@ def parse_value(value: Any, output_type: Any) -> Any:
         return [parse_value(item, output_type) for item in value]
     if output_type is None or not isinstance(value, str):
         return value
-    if output_type in DTYPE_REGEX:
+    if isinstance(output_type, type) and output_type in DTYPE_REGEX:
         return parse_dtype(output_type, value)
     if isinstance(output_type, type) and hasattr(output_type, "model_validate_json"):
         return output_type.model_validate_json(value)

@@ -45,6 +45,13 @@ def assert_pool_free(engine: Engine) -> None:
     assert engine.get_stats()["kv_available"] == stats["max_total_tokens"]
 
 
+@pytest.fixture(scope="session")
+def default_engine():
+    """The real default model, shared by every test that needs it (it takes ~15 s to start)."""
+    with Engine("default", max_total_tokens=4096, torch_num_threads=2) as engine:
+        yield engine
+
+
 @pytest.fixture(scope="module")
 def llama_engine(tiny_model_dirs):
     with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2) as engine:

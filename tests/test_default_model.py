@@ -6,15 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from furcate import Engine
 
 from .conftest import assert_pool_free
-
-
-@pytest.fixture(scope="module")
-def default_engine():
-    with Engine("default", max_total_tokens=4096, torch_num_threads=2) as engine:
-        yield engine
 
 
 def test_tokenizer_splits_digits_one_by_one(tokenizer):

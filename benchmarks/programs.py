@@ -63,8 +63,16 @@ QUESTIONS = ["How can a small town reduce traffic jams?", "Why do leaves change 
              "How can a family save money on groceries?", "Why is sleep important for memory?",
              "How could a city make its streets safer for cyclists?", "What is the best way to learn a language?",
              "How can a library attract more young readers?", "Why do some bridges sway in the wind?"]
-TREE_PREAMBLE = ("You are a careful problem solver. Write short independent thoughts about the question, judge "
-                 "whether each one is useful, then answer in one sentence.\n\n")
+TREE_PREAMBLE = ("You are a careful problem solver. For the question, write one thought from each angle, judge "
+                 "whether it is useful, then answer in one sentence.\n\n"
+                 "Question: How can I keep my coffee warm longer?\n"
+                 "Thought (cost): A cheap insulated mug with a lid keeps coffee hot for about an hour longer than a "
+                 "cup.\nIs this thought useful? Answer: yes\n"
+                 "Thought (people): My friends like tea more than coffee, and they drink it in the garden.\n"
+                 "Is this thought useful? Answer: no\n"
+                 "Useful thoughts: A cheap insulated mug with a lid keeps coffee hot for about an hour longer than a "
+                 "cup.\nAnswer: Pour it into an insulated mug with a lid.\n\n")
+ANGLES = ["cost", "people", "time", "risks", "tools", "habits", "science", "place"]  # one per branch
 JUDGE = "\nIs this thought useful? Answer:"
 SYSTEM = "You are a friendly assistant. Keep every answer short and practical."
 TOPICS = ["a weekend trip to the mountains", "starting a vegetable garden", "learning to play the guitar",
@@ -91,6 +99,10 @@ def chat_items(n: int, turns: int) -> list[dict]:
              + [FOLLOW_UPS[(i + t) % len(FOLLOW_UPS)] for t in range(turns - 1)]} for i in range(n)]
 
 
+def thought_cue(branch: int) -> str:
+    return f"Thought ({ANGLES[branch % len(ANGLES)]}):"
+
+
 def summary(thoughts: list[str], verdicts: list[str]) -> str:
     """What the parent adds after the join: the thoughts judged useful, then the answer cue."""
     kept = [t.strip() for t, v in zip(thoughts, verdicts) if v == " yes"] or ["(none)"]
@@ -108,7 +120,7 @@ def furcate_programs(cfg: argparse.Namespace) -> dict:
     def tree(s, question):
         s += TREE_PREAMBLE + "Question: " + question + "\n"
         forks = s.fork(cfg.branches)
-        forks += lambda i: f"Thought {i + 1}:" + sgl.gen("thought", max_tokens=cfg.thought_tokens, stop="\n",
+        forks += lambda i: thought_cue(i) + sgl.gen("thought", max_tokens=cfg.thought_tokens, stop="\n",
                                                           temperature=0)
         forks += JUDGE + sgl.select("verdict", choices=VERDICTS)
         forks.join()
@@ -193,7 +205,7 @@ def plain_program(kind: str, calls: PlainCalls, cfg, item: dict) -> dict:
         prefix = TREE_PREAMBLE + "Question: " + item["question"] + "\n"
         thoughts, verdicts = [], []
         for i in range(cfg.branches):
-            text = prefix + f"Thought {i + 1}:"
+            text = prefix + thought_cue(i)
             thoughts.append(calls.gen(text, cfg.thought_tokens, stop="\n"))
             verdicts.append(calls.select(text + thoughts[-1] + JUDGE, VERDICTS))
         answer = calls.gen(prefix + summary(thoughts, verdicts), cfg.answer_tokens, stop="\n")
@@ -255,7 +267,7 @@ def guidance_program(kind: str, lm, cfg, item: dict) -> dict:
         base = lm + TREE_PREAMBLE + "Question: " + item["question"] + "\n"
         thoughts, verdicts = [], []
         for i in range(cfg.branches):  # fork: guidance models are immutable values, so a branch is a copy
-            branch = base + f"Thought {i + 1}:" + gen("thought", max_tokens=cfg.thought_tokens, stop="\n",
+            branch = base + thought_cue(i) + gen("thought", max_tokens=cfg.thought_tokens, stop="\n",
                                                        temperature=0)
             branch += JUDGE + select(VERDICTS, name="verdict")
             thoughts.append(branch["thought"])

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 PROMPT = "the quiet hills and the river of stone"
 
@@ -67,3 +71,22 @@ def test_max_new_tokens_zero_only_prefills(engine):
     assert out["output_ids"] == [] and out["text"] == ""
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert len(out["meta_info"]["input_token_logprobs"]) == out["meta_info"]["prompt_tokens"]
+
+
+def test_stop_regex_ends_at_the_first_match_and_trims_it(engine, tokenizer):
+    full = reference(engine)
+    text = full["text"]
+    target = text[6:10]  # a regex that matches these four characters of the output (one class per character)
+    pattern = "".join(f"[{re.escape(ch)}]" for ch in target)
+    out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 24, "stop_regex": pattern})
+    matched = out["meta_info"]["finish_reason"]
+    assert matched["type"] == "stop" and matched["matched"] == target
+    assert out["text"] == text[: text.index(target)]
+    assert full["output_ids"][: len(out["output_ids"])] == out["output_ids"]
+
+
+def test_stop_regex_that_does_not_compile_is_a_clear_error(engine):
+    with pytest.raises(ValueError, match="stop_regex"):
+        engine.generate(PROMPT, {"stop_regex": "([a-"})
+    with pytest.raises(ValueError, match="stop_regex"):
+        engine.generate(PROMPT, {"stop_regex": 5})

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
 from typing import Any
 
-from ..lang.ir import CommitPrefix, Expr, RoleBegin, RoleEnd, SetVar, VarScopeBegin, VarScopeEnd, as_expr
-from ..lang.api import role
+from ..lang.building import BuildingMethods
+from ..lang.ir import CommitPrefix, Expr, SetVar, as_expr
 from .errors import ProgramError
 from .events import TextEvent
 from .executor import Executor
@@ -17,44 +18,21 @@ from .typed import parse_value
 JOIN_MODES = ("gather_variable", "concate_and_append")
 
 
-class ProgramState:
+class ProgramState(BuildingMethods):
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.ret_value: Any = None
+
+    def _add(self, expr: Expr) -> None:
+        self.executor.submit(expr)
 
     # -- building ---------------------------------------------------------------------------------------------
 
     def __iadd__(self, other: Any) -> "ProgramState":
         if other is None:
             raise ValueError("cannot add None to a program state")
-        self.executor.submit(as_expr(other))
+        self._add(as_expr(other))
         return self
-
-    def _role(self, name: str, expr: Any = None):
-        if expr is not None:
-            self.executor.submit(role(name, expr))
-            return None
-        return self._scope(RoleBegin(name), RoleEnd(name))
-
-    def system(self, expr: Any = None):
-        """`s.system("...")` adds a system turn; `with s.system():` wraps what is added inside."""
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None):
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None):
-        return self._role("assistant", expr)
-
-    def var_scope(self, name: str):
-        """`with s.var_scope("x"):` stores the text added inside the block in variable x."""
-        return self._scope(VarScopeBegin(name), VarScopeEnd(name))
-
-    @contextlib.contextmanager
-    def _scope(self, begin: Expr, end: Expr) -> Iterator[None]:
-        self.executor.submit(begin)
-        yield
-        self.executor.submit(end)
 
     def fork(self, size: int = 1) -> "ProgramStateGroup":
         """`size` copies of this state as it is now; with more than one, the shared text is cached first."""
@@ -248,9 +226,7 @@ def _wanted(event: TextEvent, var_name: str | None) -> bool:
     return bool(event.text) and (var_name is None or event.var == var_name)
 
 
-def _done() -> Any:
-    from concurrent.futures import Future
-
+def _done() -> Future:
     future: Future = Future()
     future.set_result(None)
     return future

@@ -5,12 +5,12 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .ir import Argument, Concat, Constant, Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr
+from .building import BuildingMethods
+from .ir import Argument, Concat, Constant, Expr, RoleBegin, RoleEnd, as_expr
 from .program import Program
 
 
@@ -24,14 +24,17 @@ class Trace:
     stopped_by: str | None  # why tracing ended early, or None when the program ran to its end
 
 
-class TracerState:
+class TracerState(BuildingMethods):
     """Stands in for ProgramState while tracing: records what is added, stops at anything data-dependent."""
 
     def __init__(self) -> None:
         self.nodes: list[Expr] = []
 
+    def _add(self, expr: Expr) -> None:
+        self.nodes.append(expr)
+
     def __iadd__(self, other: Any) -> "TracerState":
-        self.nodes.append(as_expr(other))
+        self._add(as_expr(other))
         return self
 
     def __getitem__(self, name: str) -> Any:
@@ -39,30 +42,6 @@ class TracerState:
 
     def __contains__(self, name: str) -> bool:
         raise StopTracing(f"test for variable {name!r}")
-
-    def _role(self, name: str, expr: Any = None):
-        if expr is not None:
-            self.nodes.append(Concat((RoleBegin(name), as_expr(expr), RoleEnd(name))))
-            return None
-        return self._scope(RoleBegin(name), RoleEnd(name))
-
-    def system(self, expr: Any = None):
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None):
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None):
-        return self._role("assistant", expr)
-
-    def var_scope(self, name: str):
-        return self._scope(VarScopeBegin(name), VarScopeEnd(name))
-
-    @contextlib.contextmanager
-    def _scope(self, begin: Expr, end: Expr) -> Iterator[None]:
-        self.nodes.append(begin)
-        yield
-        self.nodes.append(end)
 
     def __getattr__(self, name: str) -> Any:
         raise StopTracing(f"state.{name}")

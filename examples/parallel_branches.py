@@ -21,7 +21,7 @@ def city_facts(s, city):
     s += sgl.system("You are a helpful assistant. Answer in one short sentence.")
     forks = s.fork(len(ASPECTS))  # three copies of the state, each continuing after the system prompt
     forks += lambda i: sgl.user(f"Tell me one fact about the {ASPECTS[i]} of {city}.")
-    forks += sgl.assistant(sgl.gen("fact", max_tokens=24, stop="\n"))
+    forks += sgl.assistant(sgl.gen("fact", max_tokens=16, stop="\n"))
     s["cached"] = [f.get_meta_info("fact")["cached_tokens"] for f in forks]  # read before join
     s["prompt"] = [f.get_meta_info("fact")["prompt_tokens"] for f in forks]
     forks.join()  # the parent now has fact = [fact of branch 0, 1, 2]
@@ -32,7 +32,7 @@ def two_tips(s, topic):
     s += f"Two tips about {topic}:\n"
     forks = s.fork(2)
     forks += lambda i: f"Tip {i + 1}:"
-    forks += sgl.gen("tip", max_tokens=20, stop="\n")
+    forks += sgl.gen("tip", max_tokens=16, stop="\n")
     forks += "\n"
     forks.join("concate_and_append")  # the parent's text continues with each branch's text in turn
     s += "That's all."

@@ -333,3 +333,31 @@ def test_no_backend_is_a_clear_error():
     sgl.set_default_backend(None)
     with pytest.raises(RuntimeError, match="set_default_backend"):
         one_gen.run(PROMPT)
+
+
+def test_a_chat_template_of_ones_own(engine):
+    template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}[/{{ m['role'] }}]\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    backend = sgl.LocalBackend(engine, chat_template=template)
+
+    @sgl.function
+    def chat(s):
+        s += sgl.user("hi") + sgl.assistant("hello")
+
+    state = chat.run(backend=backend)
+    assert state.text() == "[user]hi[/user]\n[assistant]hello[/assistant]\n"
+    assert state.messages() == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert "".join(state.text_iter()) == state.text()  # after the run, the iterator replays the whole text
+    with pytest.raises(ValueError, match="Jinja"):
+        sgl.LocalBackend(engine, chat_template=5)
+
+
+def test_cache_sends_the_traced_prefix(engine):
+    @sgl.function
+    def program(s, x):
+        s += sgl.system("A long and constant system prompt for every call.") + "Question: " + x
+
+    prefix = program.cache(engine)
+    assert prefix.endswith("Question: ") and "constant system prompt" in prefix
+    state = program.run("why?", backend=engine)
+    assert state.text() == prefix + "why?"

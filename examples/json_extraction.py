@@ -8,9 +8,8 @@ Run: python examples/json_extraction.py
 
 from __future__ import annotations
 
-from pydantic import BaseModel
-
 import furcate as sgl
+from pydantic import BaseModel
 
 
 class Person(BaseModel):

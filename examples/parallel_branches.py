@@ -45,7 +45,8 @@ def main() -> None:
         print("== fork(3) + join(): variables gathered into lists ==")
         state = city_facts.run(city="Paris", temperature=0)
         for aspect, fact, cached, prompt in zip(ASPECTS, state["fact"], state["cached"], state["prompt"]):
-            print(textwrap.fill(f"{aspect:>8}: {fact.strip()}", width=100, subsequent_indent=" " * 10))
+            fact = fact.strip() if fact.strip().endswith(".") else fact.strip() + " ..."  # cut at max_tokens
+            print(textwrap.fill(f"{aspect:>8}: {fact}", width=100, subsequent_indent=" " * 10))
             print(f"{'':>8}  ({cached} of {prompt} prompt tokens came from the shared-prefix cache)")
 
         print("\n== fork(2) + join('concate_and_append'): branch text appended to the parent ==")

@@ -98,12 +98,16 @@ class ProgramState(BuildingMethods):
         return self.executor.variables[name]
 
     def sync(self) -> None:
-        """Wait for every node added so far; raises the ProgramError of the first one that failed."""
+        """Wait for every node the program adds (all of them, once a streaming run's function has returned);
+        raises the ProgramError of the first one that failed."""
+        self.executor.wait_for_body()
         last = self.executor.last_future()
         if last is not None:
             self.executor.wait(last)
 
     async def async_sync(self) -> None:
+        if not self.executor.body_returned.is_set():
+            await asyncio.to_thread(self.executor.wait_for_body)
         last = self.executor.last_future()
         if last is not None:
             await asyncio.wrap_future(last)

@@ -39,7 +39,12 @@ class LocalBackend(Backend):
     async def score_choices(self, prompt: str, choices: list[str], unconditional: bool) -> list[ChoiceScores]:
         ids, starts = choice_token_ids(self.tokenizer, prompt, choices)
         first = min(starts)
-        # One request of all choices: they share the prompt's cached prefix and batch together.
+        if len(choices) > 1:
+            # Computed once here, the prompt is a cache hit for every choice below; sent with them instead, each
+            # choice would compute whatever part of it was not cached yet (the scheduler only holds back
+            # requests that share 32 or more uncached tokens).
+            await self.cache_prefix(prompt)
+        # One request of all choices: they batch together over the cached prompt.
         conditional = await self.engine.async_generate(
             input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=first)
         scores = [logprob_values(r["meta_info"]["input_token_logprobs"], start - first)

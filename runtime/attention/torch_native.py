@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import ForwardBatch
+from .cascade import attend_with_lse, merge, shared_prefix_len
 
 MAX_BUCKETS = 4
 # Each extra bucket costs a few kernel launches per layer; it must save more than this share of padded work.
@@ -32,6 +33,7 @@ class Bucket:
     query_pos: torch.Tensor  # [B, max_q]
     max_q: int
     max_k: int
+    shared_len: int = 0  # leading KV slots all requests share (cascade attention); see cascade.py
     masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -95,6 +97,7 @@ class TorchNativeAttention:
         key_valid = key_pos[None, :] < seq_lens[:, None]
         table = batch.req_to_token_pool.req_to_token[batch.req_pool_indices[reqs], :max_k]
         query_pos = prefix_lens[:, None] + torch.arange(max_q)[None, :]
+        shared = shared_prefix_len(table, prefix_lens)
         return Bucket(
             tokens=tokens,
             q_dest=local_req * max_q + offset,
@@ -103,6 +106,7 @@ class TorchNativeAttention:
             query_pos=query_pos,
             max_q=max_q,
             max_k=max_k,
+            shared_len=shared,
         )
 
     def forward(
@@ -126,10 +130,9 @@ class TorchNativeAttention:
     def _attend(self, bucket: Bucket, q: torch.Tensor, layer_id: int, scaling: float,
                 sliding_window: int | None) -> torch.Tensor:
         """q: the bucket's packed queries [T, H, D]; returns [T, H * D]."""
-        keys, values = self.batch.token_to_kv_pool.gather(layer_id, bucket.kv_index)  # [B, max_k, Hkv, D]
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, max_k, D]
+        pool = self.batch.token_to_kv_pool
         bsz, max_q, num_heads, head_dim = bucket.size, bucket.max_q, q.shape[1], q.shape[2]
-        num_kv_heads = keys.shape[1]
+        num_kv_heads = pool.k_buffer[layer_id].shape[1]
         group = num_heads // num_kv_heads
         if max_q > 1:
             padded = q.new_zeros(bsz * max_q, num_heads, head_dim)
@@ -138,8 +141,29 @@ class TorchNativeAttention:
         # [B*max_q, Hkv*G, D] -> [B, Hkv, G*max_q, D]
         grouped = q.view(bsz, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(bsz, num_kv_heads, group * max_q, head_dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bucket.mask(sliding_window, group),
-                                             scale=scaling)
+        if bucket.shared_len and sliding_window is None:
+            out = self._attend_cascade(bucket, grouped, layer_id, scaling, group)
+        else:
+            keys, values = pool.gather(layer_id, bucket.kv_index)  # [B, max_k, Hkv, D]
+            out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=bucket.mask(sliding_window, group), scale=scaling)
         out = out.view(bsz, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(bsz * max_q, num_heads * head_dim)
         return out if max_q == 1 else out[bucket.q_dest]
+
+    def _attend_cascade(self, bucket: Bucket, grouped: torch.Tensor, layer_id: int, scaling: float,
+                        group: int) -> torch.Tensor:
+        """grouped [B, Hkv, G*max_q, D]: the shared prefix once for every query, each suffix on its own."""
+        pool, shared = self.batch.token_to_kv_pool, bucket.shared_len
+        bsz, num_kv_heads, rows, head_dim = grouped.shape
+        prefix_k, prefix_v = pool.gather(layer_id, bucket.kv_index[:1, :shared])  # [1, P, Hkv, D]
+        every_query = grouped.transpose(0, 1).reshape(num_kv_heads, bsz * rows, head_dim)
+        out_prefix, lse_prefix = attend_with_lse(every_query, prefix_k[0].transpose(0, 1),
+                                                 prefix_v[0].transpose(0, 1), scaling)
+        out_prefix = out_prefix.view(num_kv_heads, bsz, rows, head_dim).transpose(0, 1)
+        lse_prefix = lse_prefix.view(num_kv_heads, bsz, rows, 1).transpose(0, 1)
+        suffix_k, suffix_v = pool.gather(layer_id, bucket.kv_index[:, shared:])  # [B, max_k - P, Hkv, D]
+        suffix_mask = bucket.mask(None, group)[..., shared:]
+        out_suffix, lse_suffix = attend_with_lse(grouped, suffix_k.transpose(1, 2), suffix_v.transpose(1, 2),
+                                                 scaling, suffix_mask)
+        return merge(out_prefix, lse_prefix, out_suffix, lse_suffix)

@@ -162,8 +162,7 @@ def run_furcate(cfg, workloads: dict) -> dict:
             assert engine.flush_cache(), "furcate refused to flush its prefix cache"
             before = engine.get_stats()
             started = time.perf_counter()
-            # Every gen sets temperature=0 itself: run_batch(..., temperature=0) raises TypeError (a furcate bug,
-            # it checks its kwargs after popping them from a copy).
+            # Every gen sets temperature=0 itself (select is greedy by default), as on the other two sides.
             states = programs[kind].run_batch(items, backend=engine)
             outputs = [furcate_outputs(kind, state, cfg) for state in states]
             wall = time.perf_counter() - started

@@ -82,7 +82,7 @@ class Engine:
         hold only the new entries.
         """
         reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                          top_logprobs_num, rid, stream)
+                                          top_logprobs_num, rid, stream, return_text_in_logprobs)
         if stream:
             return self._stream_sync(reqs[0], return_text_in_logprobs)
         sinks = [queue.Queue() for _ in reqs]
@@ -99,7 +99,7 @@ class Engine:
                              return_text_in_logprobs: bool = False, stream: bool = False, rid: str | None = None):
         """Async twin of generate(); with stream=True returns an async iterator of chunks."""
         reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                          top_logprobs_num, rid, stream)
+                                          top_logprobs_num, rid, stream, return_text_in_logprobs)
         if stream:
             return self._stream_async(reqs[0], return_text_in_logprobs)
         results = await asyncio.gather(*(self._await_one(req, return_text_in_logprobs) for req in reqs))
@@ -250,7 +250,10 @@ class Engine:
                 self._fail_all(RuntimeError(f"scheduler crashed:\n{messages.message}"))
                 return
             for message in messages:
-                self._dispatch(message)
+                try:
+                    self._dispatch(message)
+                except Exception as error:  # noqa: BLE001 - one request's failure must not stop the receiver
+                    self._fail_one(getattr(message, "rid", None), error)
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, RpcOut):
@@ -267,6 +270,15 @@ class Engine:
         if state.finished:
             with self._lock:
                 self._states.pop(message.rid, None)
+
+    def _fail_one(self, rid: str | None, error: Exception) -> None:
+        """A request whose output could not be processed (e.g. detokenized) fails alone and is aborted."""
+        with self._lock:
+            state = self._states.pop(rid, None) if rid is not None else None
+        if state is not None:
+            state.fail(RuntimeError(f"request {rid} failed while its output was processed: "
+                                    f"{type(error).__name__}: {error}"))
+            self.abort(rid)
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:

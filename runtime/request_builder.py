@@ -16,8 +16,14 @@ class RequestBuilder:
         self.info = info
 
     def build(self, prompt, sampling_params, input_ids, return_logprob: bool, logprob_start_len: int,
-              top_logprobs_num: int, rid: str | None, stream: bool) -> tuple[list[TokenizedGenerateReq], bool]:
+              top_logprobs_num: int, rid: str | None, stream: bool,
+              return_text_in_logprobs: bool = False) -> tuple[list[TokenizedGenerateReq], bool]:
         """Returns the requests and whether the input was a single prompt. Raises ValueError on bad input."""
+        _check_flags(return_logprob=return_logprob, stream=stream, return_text_in_logprobs=return_text_in_logprobs)
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise ValueError(f"rid must be a non-empty string, got {rid!r}")
+        if top_logprobs_num and not return_logprob:
+            raise ValueError("top_logprobs_num needs return_logprob=True")
         prompts, single = self._token_lists(prompt, input_ids)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         _check_logprob_args(logprob_start_len, top_logprobs_num)
@@ -45,19 +51,32 @@ class RequestBuilder:
             raise ValueError("pass exactly one of prompt (text) or input_ids")
         if prompt is not None:
             single = isinstance(prompt, str)
+            if not single and not isinstance(prompt, (list, tuple)):
+                raise ValueError(f"prompt must be a string or a non-empty list of strings, got "
+                                 f"{type(prompt).__name__}")
             texts = [prompt] if single else list(prompt)
             if not texts or not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt must be a string or a non-empty list of strings")
             for index, text in enumerate(texts):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as error:
+                    raise ValueError(f"prompt {'' if single else index} is not valid text: {error.reason} at "
+                                     f"position {error.start}") from None
+            for index, text in enumerate(texts):
                 if not text:
                     raise ValueError("prompt is empty" if single else f"prompt {index} is empty")
             return [self.tokenizer.encode(t) for t in texts], single
+        if not isinstance(input_ids, (list, tuple)):
+            raise ValueError(f"input_ids must be a list of token ids or a list of such lists, got "
+                             f"{type(input_ids).__name__}")
         single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
         lists = [input_ids] if single else list(input_ids or [])
         if not lists or not all(isinstance(ids, list) and ids for ids in lists):
             raise ValueError("input_ids must be a non-empty list of token ids or a list of such lists")
         for ids in lists:
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.info.vocab_size]
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < self.info.vocab_size]
             if bad:
                 raise ValueError(f"input_ids has ids outside the vocabulary (size {self.info.vocab_size}): {bad[:5]}")
         return [list(ids) for ids in lists], single
@@ -89,3 +108,9 @@ def _check_logprob_args(logprob_start_len: Any, top_logprobs_num: Any) -> None:
         raise ValueError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
     if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
         raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
+
+
+def _check_flags(**flags: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")

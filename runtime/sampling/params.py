@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,9 @@ from ...grammars.spec import GrammarSpec
 # Below this temperature sampling is argmax, as in SGLang.
 GREEDY_TEMPERATURE = 1e-5
 MAX_NEW_TOKENS_DEFAULT = 128
+# More samples of one prompt than this is a mistake or an attack (each is a request object and a KV share).
+MAX_N = 1024
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
 @dataclass
@@ -46,9 +50,11 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "SamplingParams":
         """Build from a user dict; an unknown field or bad value raises ValueError naming the field."""
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(raw).__name__}")
         raw = dict(raw or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known - {"grammar"})
+        known = {f.name for f in dataclasses.fields(cls)} - {"grammar"}  # grammar is derived, never given
+        unknown = sorted(str(key) for key in set(raw) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         if raw.get("max_new_tokens", 0) is None:
@@ -75,6 +81,11 @@ class SamplingParams:
         _check_int("max_new_tokens", self.max_new_tokens, low=0)
         _check_int("min_new_tokens", self.min_new_tokens, low=0)
         _check_int("n", self.n, low=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_int("top_k", self.top_k, low=-1)
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
@@ -94,7 +105,7 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, high=2.0)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
             raise ValueError(f"stop_regex must be a non-empty string or a list of them, got {self.stop_regex!r}")
@@ -103,7 +114,8 @@ class SamplingParams:
                 re.compile(pattern)
             except re.error as error:
                 raise ValueError(f"stop_regex {pattern!r} does not compile: {error}") from None
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.sampling_seed is not None:
             _check_int("sampling_seed", self.sampling_seed, low=0)
@@ -136,6 +148,8 @@ def _parse_logit_bias(raw: Any) -> dict[int, float]:
             raise ValueError(f"logit_bias entries must be token id -> number, got {key!r}: {value!r}") from None
         if token < 0:
             raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+        if not _finite(bias):
+            raise ValueError(f"logit_bias values must be finite numbers, got {key!r}: {value!r}")
         parsed[token] = bias
     return parsed
 
@@ -148,9 +162,16 @@ def _check_int(name: str, value: Any, low: int | None = None) -> None:
 
 
 def _check_float(name: str, value: Any, low: float | None = None, high: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
         raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int too large for a float
+        return False

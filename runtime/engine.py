@@ -260,7 +260,10 @@ class Engine:
             with self._lock:
                 future = self._rpc_waiters.pop(message.call_id, None)
             if future is not None:
-                future.set_result(message.result)
+                if isinstance(message.result, Exception):
+                    future.set_exception(message.result)
+                else:
+                    future.set_result(message.result)
             return
         with self._lock:
             state = self._states.get(message.rid)

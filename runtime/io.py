@@ -7,7 +7,7 @@ from typing import Any
 
 from .sampling.params import SamplingParams
 
-# A logprob entry as COMPAT.md specifies: (logprob or None, token id, token text or None).
+# A logprob entry as SGLang's native API returns it: (logprob or None, token id, token text or None).
 LogprobTriple = tuple[float | None, int, str | None]
 
 

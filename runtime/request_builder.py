@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import uuid
 from typing import Any
 
@@ -34,7 +35,7 @@ class RequestBuilder:
         for index, (ids, params) in enumerate(zip(prompts, params_list)):
             where = "" if single else f"prompt {index}: "
             try:
-                self._check_fits(ids, params)
+                self._check_fits(ids, params, logprob_start_len)
             except ValueError as error:
                 raise ValueError(f"{where}{error}") from None
             for sample in range(params.n):
@@ -70,16 +71,15 @@ class RequestBuilder:
         if not isinstance(input_ids, (list, tuple)):
             raise ValueError(f"input_ids must be a list of token ids or a list of such lists, got "
                              f"{type(input_ids).__name__}")
-        single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+        single = bool(input_ids) and all(_is_token_id(t) for t in input_ids)
         lists = [input_ids] if single else list(input_ids or [])
-        if not lists or not all(isinstance(ids, list) and ids for ids in lists):
+        if not lists or not all(isinstance(ids, (list, tuple)) and ids for ids in lists):
             raise ValueError("input_ids must be a non-empty list of token ids or a list of such lists")
         for ids in lists:
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < self.info.vocab_size]
+            bad = [t for t in ids if not _is_token_id(t) or not 0 <= t < self.info.vocab_size]
             if bad:
                 raise ValueError(f"input_ids has ids outside the vocabulary (size {self.info.vocab_size}): {bad[:5]}")
-        return [list(ids) for ids in lists], single
+        return [[int(t) for t in ids] for ids in lists], single
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         if isinstance(sampling_params, list):
@@ -93,7 +93,10 @@ class RequestBuilder:
             p.check_vocab(self.info.vocab_size)
         return params
 
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+    def _check_fits(self, ids: list[int], params: SamplingParams, logprob_start_len: int) -> None:
+        if logprob_start_len >= len(ids):
+            raise ValueError(f"logprob_start_len={logprob_start_len} is past the prompt's last token (the prompt has "
+                             f"{len(ids)} tokens)")
         limit = self.info.max_req_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; the limit is {limit - 1} (context length "
@@ -108,6 +111,11 @@ def _check_logprob_args(logprob_start_len: Any, top_logprobs_num: Any) -> None:
         raise ValueError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
     if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
         raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
+
+
+def _is_token_id(value: Any) -> bool:
+    """Python and numpy integers, not bools (True is not token 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_flags(**flags: Any) -> None:

@@ -58,6 +58,8 @@ GOOD = {"max_new_tokens": 4, "temperature": 0}
         ({"prompt": "x", "return_logprob": "yes"}, "return_logprob"),
         ({"prompt": "x", "return_text_in_logprobs": 1}, "return_text_in_logprobs"),
         ({"prompt": "x", "top_logprobs_num": 5}, "top_logprobs_num needs return_logprob"),
+        ({"prompt": "x", "logprob_start_len": 10**6, "return_logprob": True}, "logprob_start_len"),
+        ({"prompt": "x", "sampling_params": {"repetition_penalty": 1e-300}}, "repetition_penalty"),
     ],
 )
 def test_bad_request_raises_and_engine_keeps_serving(engine, kwargs, message):
@@ -79,3 +81,18 @@ def test_bad_engine_arguments_name_the_field():
         EngineArgs(max_total_tokens=1)
     with pytest.raises(TypeError):
         EngineArgs(not_an_argument=1)
+
+
+def test_numpy_integer_ids_are_token_ids(engine):
+    import numpy as np
+
+    ids = [5, 17, 300]
+    expected = engine.generate(input_ids=ids, sampling_params=GOOD)["output_ids"]
+    assert engine.generate(input_ids=list(np.array(ids)), sampling_params=GOOD)["output_ids"] == expected
+
+
+def test_an_unknown_rpc_is_an_error_for_the_caller_only(engine):
+    with pytest.raises(ValueError, match="unknown RPC method 'no_such_call'"):
+        engine._rpc("no_such_call")
+    assert engine.check_integrity()
+    assert len(engine.generate("still serving", GOOD)["output_ids"]) == 4

@@ -102,9 +102,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, high=2.0)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        # Below 0.01 the penalty divides logits into overflow, so such values are refused rather than obeyed.
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.01, high=2.0)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):

@@ -52,6 +52,9 @@ class GrammarQueue:
                     ready.append(req)
                 except ValueError as error:
                     failed.append((req, str(error)))
+                except Exception as error:  # noqa: BLE001 - a backend's own failure fails this request only
+                    failed.append((req, f"{req.params.grammar.kind} failed to compile: {type(error).__name__}: "
+                                        f"{error}"))
             elif started is not None and now - started > self.timeout_s:
                 failed.append((req, f"{req.params.grammar.kind} did not compile within {self.timeout_s:g}s"))
             else:

@@ -119,7 +119,11 @@ class Scheduler:
         elif isinstance(message, AbortReq):
             self.abort(message.rid)
         elif isinstance(message, RpcReq):
-            self.outputs.append(RpcOut(message.call_id, getattr(self, f"rpc_{message.method}")()))
+            method = getattr(self, f"rpc_{message.method}", None) if isinstance(message.method, str) else None
+            if method is None:  # answered, not raised: a bad call must not take the scheduler down
+                self.outputs.append(RpcOut(message.call_id, ValueError(f"unknown RPC method {message.method!r}")))
+            else:
+                self.outputs.append(RpcOut(message.call_id, method()))
         else:
             raise TypeError(f"scheduler got an unknown message {type(message).__name__}")
 

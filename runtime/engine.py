@@ -7,6 +7,7 @@ folds its outputs into per-request state that sync and async callers wait on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import queue
@@ -67,6 +68,7 @@ class Engine:
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+        self._dead: Exception | None = None  # set once the scheduler process or its connection is gone
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="furcate-receiver")
         self._receiver.start()
 
@@ -87,8 +89,12 @@ class Engine:
             return self._stream_sync(reqs[0], return_text_in_logprobs)
         sinks = [queue.Queue() for _ in reqs]
         states = [self._submit(req, return_text_in_logprobs, sink.put) for req, sink in zip(reqs, sinks)]
-        for state, sink in zip(states, sinks):
-            self._drain_until_finished(state, sink)
+        try:
+            for state, sink in zip(states, sinks):
+                self._drain_until_finished(state, sink)
+        except BaseException:
+            self._abort_unfinished(states)  # one item failed: the others must not run on, unowned
+            raise
         results = [state.result() for state in states]
         return results[0] if single else results
 
@@ -102,7 +108,14 @@ class Engine:
                                           top_logprobs_num, rid, stream, return_text_in_logprobs)
         if stream:
             return self._stream_async(reqs[0], return_text_in_logprobs)
-        results = await asyncio.gather(*(self._await_one(req, return_text_in_logprobs) for req in reqs))
+        tasks = [asyncio.ensure_future(self._await_one(req, return_text_in_logprobs)) for req in reqs]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # cancelling a waiter aborts its request (see _consume_async)
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         return results[0] if single else list(results)
 
     def abort(self, rid: str) -> None:
@@ -124,7 +137,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if self._process.poll() is None:
+        if self._process.poll() is None and self._dead is None:
             try:
                 self._rpc("shutdown", timeout=30)
                 self._process.wait(timeout=10)
@@ -146,9 +159,16 @@ class Engine:
 
     # -- plumbing -----------------------------------------------------------------------------------------
 
+    def is_alive(self) -> bool:
+        """True while the engine can serve: not shut down, scheduler process running, receiver listening."""
+        return (not self._closed and self._dead is None and self._process.poll() is None
+                and self._receiver.is_alive())
+
     def _submit(self, req: TokenizedGenerateReq, return_text: bool, sink) -> RequestState:
         if self._closed:
             raise RuntimeError("engine is shut down")
+        if self._dead is not None:
+            raise RuntimeError(f"engine cannot serve: {self._dead}")
         state = RequestState(req, self.tokenizer, return_text, sink)
         with self._lock:
             if req.rid in self._states:
@@ -156,6 +176,18 @@ class Engine:
             self._states[req.rid] = state
         self._send(req)
         return state
+
+    def _abort_unfinished(self, states: list[RequestState]) -> None:
+        for state in states:
+            if not state.finished:
+                self._abandon(state)
+
+    def _abandon(self, state: RequestState) -> None:
+        """Nobody waits for this request any more: forget it here (later outputs are dropped) and abort it."""
+        with self._lock:
+            self._states.pop(state.req.rid, None)
+        if self._dead is None and not self._closed:
+            self.abort(state.req.rid)
 
     @staticmethod
     def _drain_until_finished(state: RequestState, sink: queue.Queue) -> None:
@@ -181,7 +213,7 @@ class Engine:
                         return
             finally:
                 if not state.finished:
-                    self.abort(req.rid)
+                    self._abandon(state)
 
         return chunks()
 
@@ -199,7 +231,12 @@ class Engine:
     def _submit_async(self, req: TokenizedGenerateReq, return_text: bool) -> tuple[RequestState, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        state = self._submit(req, return_text, lambda item: loop.call_soon_threadsafe(sink.put_nowait, item))
+
+        def deliver(item: Any) -> None:
+            if not loop.is_closed():  # the caller's loop may be gone (asyncio.run returned); nobody to tell
+                loop.call_soon_threadsafe(sink.put_nowait, item)
+
+        state = self._submit(req, return_text, deliver)
         return state, sink
 
     async def _consume_async(self, state: RequestState, sink: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
@@ -213,9 +250,11 @@ class Engine:
                     return
         finally:
             if not state.finished:
-                self.abort(state.req.rid)
+                self._abandon(state)
 
     def _rpc(self, method: str, timeout: float = 60) -> Any:
+        if self._dead is not None:
+            raise RuntimeError(f"engine cannot serve: {self._dead}")
         future: Future = Future()
         call_id = next(self._call_ids)
         with self._lock:
@@ -244,10 +283,10 @@ class Engine:
                 messages = self._conn.recv()
             except (EOFError, OSError):
                 if not self._closed:
-                    self._fail_all(RuntimeError(f"scheduler process died (exit code {self._process.wait()})"))
+                    self._die(RuntimeError(f"scheduler process died (exit code {self._process.wait()})"))
                 return
             if isinstance(messages, SchedulerError):
-                self._fail_all(RuntimeError(f"scheduler crashed:\n{messages.message}"))
+                self._die(RuntimeError(f"scheduler crashed:\n{messages.message}"))
                 return
             for message in messages:
                 try:
@@ -274,14 +313,20 @@ class Engine:
             with self._lock:
                 self._states.pop(message.rid, None)
 
+    def _die(self, error: Exception) -> None:
+        self._dead = error
+        self._fail_all(error)
+
     def _fail_one(self, rid: str | None, error: Exception) -> None:
         """A request whose output could not be processed (e.g. detokenized) fails alone and is aborted."""
         with self._lock:
             state = self._states.pop(rid, None) if rid is not None else None
         if state is not None:
-            state.fail(RuntimeError(f"request {rid} failed while its output was processed: "
-                                    f"{type(error).__name__}: {error}"))
-            self.abort(rid)
+            with contextlib.suppress(Exception):  # the receiver must survive whatever the sink does
+                state.fail(RuntimeError(f"request {rid} failed while its output was processed: "
+                                        f"{type(error).__name__}: {error}"))
+            if self._dead is None and not self._closed:
+                self.abort(rid)
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:

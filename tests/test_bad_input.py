@@ -96,3 +96,49 @@ def test_an_unknown_rpc_is_an_error_for_the_caller_only(engine):
         engine._rpc("no_such_call")
     assert engine.check_integrity()
     assert len(engine.generate("still serving", GOOD)["output_ids"]) == 4
+
+
+def test_a_list_with_one_bad_item_aborts_the_rest(engine):
+    import time
+
+    long = {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(ValueError, match="regex"):
+        engine.generate(["a long one", "another long one", "bad"], [long, long, {**long, "regex": "([a-"}])
+    deadline = time.monotonic() + 10
+    while engine.get_stats()["running"] + engine.get_stats()["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.get_stats()["running"] == 0  # aborted, not left to run 500 tokens each
+
+    import asyncio
+
+    async def run():
+        await engine.async_generate(["a long one", "bad"], [long, {**long, "regex": "([a-"}])
+
+    with pytest.raises(ValueError, match="regex"):
+        asyncio.run(run())
+    while engine.get_stats()["running"] + engine.get_stats()["waiting"] and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+    assert engine.get_stats()["running"] == 0
+
+
+def test_a_dead_scheduler_fails_waiting_and_new_requests_at_once(tiny_model_dirs):
+    import time
+
+    from furcate import Engine
+
+    engine = Engine(str(tiny_model_dirs["llama"]), max_total_tokens=2000, torch_num_threads=1)
+    assert engine.is_alive()
+    stream = engine.generate("the river", {"max_new_tokens": 900, "ignore_eos": True}, stream=True)
+    next(stream)
+    engine._process.kill()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="scheduler process died"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 10
+    assert not engine.is_alive()
+    with pytest.raises(RuntimeError, match="cannot serve"):
+        engine.generate("again", GOOD)
+    started = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - started < 5

@@ -1,49 +1,96 @@
-"""Command line: `furcate prepare` converts the default model once; `furcate generate` runs a prompt."""
+"""Command line: `furcate prepare` converts the default model once; `furcate generate` runs a prompt.
+
+Every check that needs no model runs before the engine boots, and a bad value is one line and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
+from . import __version__
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="furcate")
+
+def build_parser() -> argparse.ArgumentParser:
+    from .runtime.config import EngineArgs
+
+    parser = argparse.ArgumentParser(prog="furcate", description="Structured LLM programs and their runtime.")
+    parser.add_argument("--version", action="version", version=f"furcate {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("prepare", help="convert the embedded default model (GGUF) into the cache folder")
     generate = commands.add_parser("generate", help="generate from a prompt on a local engine")
     generate.add_argument("prompt")
-    generate.add_argument("--max-new-tokens", type=int, default=128)
-    generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    from .runtime.config import EngineArgs
+    sampling = generate.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=128)
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--n", type=int, default=1, help="samples of the prompt (printed one after another)")
+    sampling.add_argument("--stop", action="append", default=None, help="a stop string (repeat for more)")
+    sampling.add_argument("--json-schema", help="constrain the output to this JSON schema (JSON text)")
+    sampling.add_argument("--regex", help="constrain the output to this regular expression")
+    sampling.add_argument("--choices", nargs="+", help="the output is exactly one of these strings")
+    EngineArgs.add_cli_args(generate.add_argument_group("engine"))
+    return parser
 
-    EngineArgs.add_cli_args(generate)
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "prepare":
         from .runtime.model.default_model import prepare_default_model
 
         print(prepare_default_model())
         return 0
-    return _generate(args)
+    try:
+        engine_args, params = _checked(args)
+    except ValueError as error:
+        parser.error(str(error))  # one line, exit code 2, before any model loads
+    return _generate(args, engine_args, params)
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _checked(args: argparse.Namespace) -> tuple:
     from .runtime.config import EngineArgs
+    from .runtime.sampling.params import SamplingParams
+
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "n": args.n, "stop": args.stop, "regex": args.regex, "choices": args.choices}
+    if args.json_schema is not None:
+        try:
+            params["json_schema"] = json.loads(args.json_schema)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--json-schema is not valid JSON: {error}") from None
+    params = {k: v for k, v in params.items() if v is not None}
+    SamplingParams.from_dict(params)
+    return EngineArgs.from_cli_args(args), params
+
+
+def _generate(args: argparse.Namespace, engine_args, params: dict) -> int:
     from .runtime.engine import Engine
 
-    engine_args = EngineArgs.from_cli_args(args)
     with Engine(**vars(engine_args)) as engine:
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                           add_generation_prompt=True)
-        params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
-        printed = 0
-        for chunk in engine.generate(prompt, params, stream=True):
-            sys.stdout.write(chunk["text"][printed:])
-            sys.stdout.flush()
-            printed = len(chunk["text"])
-        sys.stdout.write("\n")
+        try:
+            if params.get("n", 1) > 1:
+                for result in engine.generate(prompt, params):
+                    print(result["text"])
+                return 0
+            printed = 0
+            for chunk in engine.generate(prompt, params, stream=True):
+                sys.stdout.write(chunk["text"][printed:])
+                sys.stdout.flush()
+                printed = len(chunk["text"])
+            sys.stdout.write("\n")
+        except ValueError as error:  # a check that needs the model (e.g. the prompt is too long)
+            print(f"furcate generate: error: {error}", file=sys.stderr)
+            return 2
     return 0
 
 

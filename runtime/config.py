@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -11,30 +12,44 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native",)
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
+           "attention_backend": ATTENTION_BACKENDS}
 
 
 @dataclass
 class EngineArgs:
     """Everything the engine and scheduler need to start; picklable so it can cross processes."""
 
+    # An HF model directory (config.json + safetensors) or a GGUF file; "default" is the embedded SmolLM2-135M.
     model_path: str = "default"
+    # Where the tokenizer lives, when not beside the model.
     tokenizer_path: str | None = None
+    # Weights and KV cache precision; auto keeps the checkpoint's own.
     dtype: str = "auto"
+    # The torch device the model runs on.
     device: str = "cpu"
+    # Longest prompt plus output per request; defaults to the model's own limit.
     context_length: int | None = None
     # Memory: an explicit token count wins over the fraction of free RAM.
     max_total_tokens: int | None = None
+    # Share of free memory given to the KV cache when max_total_tokens is not set.
     mem_fraction_static: float = 0.2
+    # Requests decoding at once (the continuous batch's size limit).
     max_running_requests: int = 128
+    # Prompt tokens prefilled in one step, over all requests admitted together.
     max_prefill_tokens: int = 16384
     # Prompts longer than this are prefilled in chunks, one per step, while decoding continues; -1 disables.
     chunked_prefill_size: int = 2048
+    # Run a prefill chunk and the decoding requests in one forward.
     enable_mixed_chunk: bool = False
+    # Order of waiting requests: lpm = longest cached prefix first.
     schedule_policy: str = "lpm"
+    # Free every request's KV at its end instead of caching shared prefixes.
     disable_radix_cache: bool = False
     # The overlapped loop (forward on a worker thread) measured 9% slower than the plain loop on a 2-core CPU,
     # where the scheduler thread competes with torch's threads; so it is opt-in here.
     disable_overlap_schedule: bool = True
+    # Constrained decoding library for json_schema / regex / ebnf / choices.
     grammar_backend: str = "xgrammar"
     # A grammar still compiling this many seconds after its compile began fails its request (others are never
     # held up); outlines-core compiles are killed then.
@@ -47,9 +62,13 @@ class EngineArgs:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
     new_token_ratio_decay_steps: int = 600
+    # Attention implementation.
     attention_backend: str = "torch_native"
+    # Seed of the scheduler's sampling generator (requests may carry their own sampling_seed).
     random_seed: int = 0
+    # torch threads in the scheduler process; defaults to every core.
     torch_num_threads: int | None = None
+    # Logging level of the scheduler process.
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -84,17 +103,36 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Expose every field as `--field-name`, so SGLang users can carry their flags over."""
+        """Expose every field as `--field-name` (SGLang's flag names), typed from its annotation, booleans as
+        `--flag/--no-flag`, named choices listed, help from the comment above the field."""
+        comments = _field_comments(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            default = f.default
-            if isinstance(default, bool):
-                parser.add_argument(flag, action="store_true", default=default)
-            else:
-                kind = type(default) if default is not None else (int if "tokens" in f.name or "threads" in f.name else str)
-                parser.add_argument(flag, type=kind, default=default)
+            help_text = f"{comments.get(f.name, '')} (default: {f.default})".strip().replace("%", "%%")
+            if f.type == "bool":
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                continue
+            kind = int if "int" in f.type else float if "float" in f.type else str
+            parser.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=help_text,
+                                metavar=None if f.name in CHOICES else kind.__name__.upper())
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The `#` comment lines right above each field of a dataclass, joined: the CLI's help text."""
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("# "))
+        elif ":" in stripped and not stripped.startswith(("def ", "@", '"', "class ")):
+            comments[stripped.split(":", 1)[0]] = " ".join(pending)
+            pending = []
+        else:
+            pending = []
+    return comments

@@ -1,0 +1,48 @@
+"""The command line: flags typed from EngineArgs, booleans both ways, bad values one error line and exit 2
+before any model loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from furcate.cli import _checked, build_parser, main
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["generate", "hello", *argv])
+
+
+def test_engine_flags_arrive_typed_and_booleans_go_both_ways():
+    engine_args, params = _checked(parse("--context-length", "2048", "--no-disable-overlap-schedule",
+                                         "--mem-fraction-static", "0.3", "--disable-radix-cache", "--top-p", "0.9",
+                                         "--stop", "a", "--stop", "b", "--choices", "x", "y"))
+    assert engine_args.context_length == 2048
+    assert engine_args.disable_overlap_schedule is False and engine_args.disable_radix_cache is True
+    assert engine_args.mem_fraction_static == 0.3
+    assert params["top_p"] == 0.9 and params["stop"] == ["a", "b"] and params["choices"] == ["x", "y"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "hi", "--context-length", "abc"], "invalid int value"),
+    (["generate", "hi", "--schedule-policy", "fastest"], "invalid choice"),
+    (["generate", "hi", "--max-new-tokens", "-3"], "max_new_tokens"),
+    (["generate", "hi", "--top-p", "nan"], "top_p"),
+    (["generate", "hi", "--json-schema", "{bad"], "not valid JSON"),
+    (["generate", "hi", "--regex", "x", "--choices", "a"], "at most one"),
+    (["generate", "hi", "--max-total-tokens", "3"], "max_total_tokens"),
+])
+def test_bad_values_exit_2_with_one_error_line_before_booting(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and message in error_lines[0]
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "furcate.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("furcate ")

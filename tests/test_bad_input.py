@@ -60,6 +60,24 @@ GOOD = {"max_new_tokens": 4, "temperature": 0}
         ({"prompt": "x", "top_logprobs_num": 5}, "top_logprobs_num needs return_logprob"),
         ({"prompt": "x", "logprob_start_len": 10**6, "return_logprob": True}, "logprob_start_len"),
         ({"prompt": "x", "sampling_params": {"repetition_penalty": 1e-300}}, "repetition_penalty"),
+        ({"prompt": ["ok", 5]}, "prompt must be"),
+        ({"prompt": []}, "prompt must be"),
+        ({"input_ids": [[1], []]}, "input_ids"),
+        ({"input_ids": [[1, "a"]]}, "input_ids"),
+        ({"input_ids": [-1]}, "outside the vocabulary"),
+        ({"prompt": ["a", "b"], "sampling_params": [GOOD]}, "sampling_params for 2 prompts"),
+        ({"prompt": ["a", "b"], "sampling_params": [GOOD, 5]}, "sampling_params must be a dict"),
+        ({"prompt": "x", "sampling_params": {"stop": ["ok", ""]}}, "stop must be"),
+        ({"prompt": "x", "sampling_params": {"stop_regex": "(["}}, "stop_regex"),
+        ({"prompt": "x", "sampling_params": {"min_p": -1}}, "min_p"),
+        ({"prompt": "x", "sampling_params": {"frequency_penalty": 3}}, "frequency_penalty"),
+        ({"prompt": "x", "sampling_params": {"presence_penalty": float("nan")}}, "presence_penalty"),
+        ({"prompt": "x", "sampling_params": {"sampling_seed": -1}}, "sampling_seed"),
+        ({"prompt": "x", "sampling_params": {"json_schema": "{not json"}}, "json_schema"),
+        ({"prompt": "x", "sampling_params": {"regex": 5}}, "regex"),
+        ({"prompt": "x", "sampling_params": {"choices": []}}, "choices"),
+        ({"prompt": "x", "sampling_params": {"regex": "a", "choices": ["a"]}}, "at most one"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
     ],
 )
 def test_bad_request_raises_and_engine_keeps_serving(engine, kwargs, message):
@@ -142,3 +160,10 @@ def test_a_dead_scheduler_fails_waiting_and_new_requests_at_once(tiny_model_dirs
     started = time.monotonic()
     engine.shutdown()
     assert time.monotonic() - started < 5
+
+
+def test_after_the_sweep_the_engine_still_answers_like_hf(engine, hf_reference, tokenizer):
+    ids = tokenizer.encode("the river of stone")
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert out["output_ids"] == hf_reference("llama").greedy(ids, 8)
+    assert engine.check_integrity()

@@ -15,6 +15,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, Listener
@@ -30,6 +31,17 @@ from .request_state import RequestState
 from .scheduler.process import AUTHKEY_ENV
 
 STARTUP_TIMEOUT_S = 600
+
+
+def _deadline(timeout: Any, stream: bool) -> float | None:
+    """Validate `timeout` and turn it into a monotonic deadline (None: wait as long as it takes)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if stream:
+        raise ValueError("timeout applies to whole results; a stream's reader decides when to stop")
+    return time.monotonic() + timeout
 
 
 def start_scheduler_process() -> tuple[subprocess.Popen, Connection]:
@@ -77,12 +89,14 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                 stream: bool = False, rid: str | None = None):
+                 stream: bool = False, rid: str | None = None, timeout: float | None = None):
         """Generate for one prompt (returns a dict) or a list (returns a list, n results per prompt, in order).
 
         With stream=True (one prompt, n=1) returns an iterator of chunks: `text` is cumulative, logprob lists
-        hold only the new entries.
+        hold only the new entries. With `timeout` (seconds, not for streams) requests still unfinished then are
+        aborted and TimeoutError is raised.
         """
+        deadline = _deadline(timeout, stream)
         reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                           top_logprobs_num, rid, stream, return_text_in_logprobs)
         if stream:
@@ -91,7 +105,7 @@ class Engine:
         states = [self._submit(req, return_text_in_logprobs, sink.put) for req, sink in zip(reqs, sinks)]
         try:
             for state, sink in zip(states, sinks):
-                self._drain_until_finished(state, sink)
+                self._drain_until_finished(state, sink, deadline)
         except BaseException:
             self._abort_unfinished(states)  # one item failed: the others must not run on, unowned
             raise
@@ -102,15 +116,17 @@ class Engine:
                              sampling_params: dict | list[dict] | None = None,
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                             return_text_in_logprobs: bool = False, stream: bool = False, rid: str | None = None):
+                             return_text_in_logprobs: bool = False, stream: bool = False, rid: str | None = None,
+                             timeout: float | None = None):
         """Async twin of generate(); with stream=True returns an async iterator of chunks."""
+        _deadline(timeout, stream)
         reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                           top_logprobs_num, rid, stream, return_text_in_logprobs)
         if stream:
             return self._stream_async(reqs[0], return_text_in_logprobs)
         tasks = [asyncio.ensure_future(self._await_one(req, return_text_in_logprobs)) for req in reqs]
         try:
-            results = await asyncio.gather(*tasks)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
         except BaseException:
             for task in tasks:  # cancelling a waiter aborts its request (see _consume_async)
                 task.cancel()
@@ -190,9 +206,12 @@ class Engine:
             self.abort(state.req.rid)
 
     @staticmethod
-    def _drain_until_finished(state: RequestState, sink: queue.Queue) -> None:
+    def _drain_until_finished(state: RequestState, sink: queue.Queue, deadline: float | None = None) -> None:
         while True:
-            item = sink.get()
+            try:
+                item = sink.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                raise TimeoutError(f"request {state.req.rid} did not finish in time") from None
             if isinstance(item, Exception):
                 raise item
             if state.finished:

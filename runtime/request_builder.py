@@ -10,6 +10,9 @@ from typing import Any
 from .io import SchedulerReady, TokenizedGenerateReq
 from .sampling.params import SamplingParams
 
+# Requests one call may create (prompts times n): a bound, so no call can queue without limit.
+MAX_REQUESTS_PER_CALL = 8192
+
 
 class RequestBuilder:
     def __init__(self, tokenizer, info: SchedulerReady) -> None:
@@ -30,6 +33,10 @@ class RequestBuilder:
         _check_logprob_args(logprob_start_len, top_logprobs_num)
         if stream and (len(prompts) != 1 or params_list[0].n != 1):
             raise ValueError("stream=True takes a single prompt with n=1")
+        total = sum(p.n for p in params_list)
+        if total > MAX_REQUESTS_PER_CALL:
+            raise ValueError(f"one call may create at most {MAX_REQUESTS_PER_CALL} requests (prompts times n), "
+                             f"got {total}")
         base_rid = rid or uuid.uuid4().hex
         reqs = []
         for index, (ids, params) in enumerate(zip(prompts, params_list)):

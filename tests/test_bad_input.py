@@ -78,6 +78,8 @@ GOOD = {"max_new_tokens": 4, "temperature": 0}
         ({"prompt": "x", "sampling_params": {"choices": []}}, "choices"),
         ({"prompt": "x", "sampling_params": {"regex": "a", "choices": ["a"]}}, "at most one"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "sampling_params": {"stop": ["s"] * 65}}, "at most 64"),
+        ({"prompt": ["x"] * 9, "sampling_params": {"n": 1000}}, "at most 8192 requests"),
     ],
 )
 def test_bad_request_raises_and_engine_keeps_serving(engine, kwargs, message):
@@ -167,3 +169,25 @@ def test_after_the_sweep_the_engine_still_answers_like_hf(engine, hf_reference, 
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert out["output_ids"] == hf_reference("llama").greedy(ids, 8)
     assert engine.check_integrity()
+
+
+def test_a_timeout_aborts_what_is_unfinished(engine):
+    import asyncio
+    import time
+
+    long = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(TimeoutError):
+        engine.generate(["slow one", "slow two"], long, timeout=0.3)
+
+    async def run():
+        await engine.async_generate("slow three", long, timeout=0.3)
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(run())
+    with pytest.raises(ValueError, match="timeout"):
+        engine.generate("x", GOOD, timeout=float("nan"))
+    deadline = time.monotonic() + 10
+    while engine.get_stats()["running"] + engine.get_stats()["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.get_stats()["running"] == 0
+    assert len(engine.generate("still serving", GOOD, timeout=60)["output_ids"]) == 4

@@ -15,6 +15,9 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_NEW_TOKENS_DEFAULT = 128
 # More samples of one prompt than this is a mistake or an attack (each is a request object and a KV share).
 MAX_N = 1024
+# Longest lists a request may carry: enough for any real use, small enough that no request allocates unbounded.
+MAX_STOPS = 64
+MAX_STOP_TOKEN_IDS = 1024
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
@@ -108,14 +111,18 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
             raise ValueError(f"stop_regex must be a non-empty string or a list of them, got {self.stop_regex!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name, values, limit in (("stop", self.stop, MAX_STOPS), ("stop_regex", self.stop_regex, MAX_STOPS),
+                                    ("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)):
+            if len(values) > limit:
+                raise ValueError(f"{name} may hold at most {limit} entries, got {len(values)}")
         for pattern in self.stop_regex:
             try:
                 re.compile(pattern)
             except re.error as error:
                 raise ValueError(f"stop_regex {pattern!r} does not compile: {error}") from None
-        if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.sampling_seed is not None:
             _check_int("sampling_seed", self.sampling_seed, low=0)
 

@@ -15,7 +15,7 @@ from ...grammars.cache import GrammarCache, make_backend
 from ..cache.chunk_cache import ChunkCache
 from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
-from ..io import AbortReq, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
+from ..io import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
 from .memory import MemoryManager
@@ -111,11 +111,7 @@ class Scheduler:
 
     def handle(self, message: Any) -> None:
         if isinstance(message, TokenizedGenerateReq):
-            req = Req.from_tokenized(message, self.rng.randrange(2**31), self.eos_ids)
-            if req.params.grammar is None:
-                self.waiting.append(req)
-            elif (problem := self.grammars.add(req)) is not None:
-                self.finish(req, bad_request(problem))
+            self.accept(message)
         elif isinstance(message, AbortReq):
             self.abort(message.rid)
         elif isinstance(message, RpcReq):
@@ -126,6 +122,19 @@ class Scheduler:
                 self.outputs.append(RpcOut(message.call_id, method()))
         else:
             raise TypeError(f"scheduler got an unknown message {type(message).__name__}")
+
+    def accept(self, message: TokenizedGenerateReq) -> None:
+        """Queue a new request; one that cannot even be queued fails alone, the loop keeps going."""
+        try:
+            req = Req.from_tokenized(message, self.rng.randrange(2**31), self.eos_ids)
+        except Exception as error:  # noqa: BLE001
+            self.outputs.append(ReqOutput(rid=message.rid, new_token_ids=[], finish_reason=bad_request(
+                f"request could not be queued: {type(error).__name__}: {error}", 500)))
+            return
+        if req.params.grammar is None:
+            self.waiting.append(req)
+        elif (problem := self.grammars.add(req)) is not None:
+            self.finish(req, bad_request(problem))
 
     def admit_compiled_grammars(self) -> None:
         ready, failed = self.grammars.pop_settled()

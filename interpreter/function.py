@@ -103,7 +103,7 @@ class Function:
         state = self._new_state(backend, options)
         if options.stream:
             state.executor.body_returned.clear()
-            state._body_task = asyncio.ensure_future(self._abody(state, arguments, quiet=True))  # type: ignore
+            state.body_task = asyncio.ensure_future(self._abody(state, arguments, quiet=True))
             return state
         await self._abody(state, arguments, quiet=False)
         await state.async_sync()

@@ -22,6 +22,8 @@ class ProgramState(BuildingMethods):
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.ret_value: Any = None
+        # The streaming async run's program task, held here so it is not garbage-collected while it runs.
+        self.body_task: asyncio.Future | None = None
 
     def _add(self, expr: Expr) -> None:
         self.executor.submit(expr)

@@ -1,4 +1,5 @@
-"""Command line: `furcate prepare` converts the default model once; `furcate generate` runs a prompt.
+"""Command line: `furcate prepare` converts the default model once; `furcate generate` runs a prompt;
+`furcate serve` runs the HTTP server (native and OpenAI APIs).
 
 Every check that needs no model runs before the engine boots, and a bad value is one line and exit code 2.
 """
@@ -13,7 +14,7 @@ from . import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .runtime.config import EngineArgs
+    from .runtime.config import EngineArgs, ServerArgs, add_dataclass_args
 
     parser = argparse.ArgumentParser(prog="furcate", description="Structured LLM programs and their runtime.")
     parser.add_argument("--version", action="version", version=f"furcate {__version__}")
@@ -33,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--regex", help="constrain the output to this regular expression")
     sampling.add_argument("--choices", nargs="+", help="the output is exactly one of these strings")
     EngineArgs.add_cli_args(generate.add_argument_group("engine"))
+    serve = commands.add_parser("serve", help="serve the model over HTTP (SGLang's native API and OpenAI's)")
+    add_dataclass_args(ServerArgs, serve.add_argument_group("server"))
+    EngineArgs.add_cli_args(serve.add_argument_group("engine"))
     return parser
 
 
@@ -44,11 +48,24 @@ def main(argv: list[str] | None = None) -> int:
 
         print(prepare_default_model())
         return 0
+    if args.command == "serve":
+        return _serve(parser, args)
     try:
         engine_args, params = _checked(args)
     except ValueError as error:
         parser.error(str(error))  # one line, exit code 2, before any model loads
     return _generate(args, engine_args, params)
+
+
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .runtime.config import EngineArgs, ServerArgs, from_cli_args
+    from .runtime.server.launch import serve
+
+    try:
+        engine_args, server_args = EngineArgs.from_cli_args(args), from_cli_args(ServerArgs, args)
+    except ValueError as error:
+        parser.error(str(error))
+    return serve(engine_args, server_args)
 
 
 def _checked(args: argparse.Namespace) -> tuple:

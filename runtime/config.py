@@ -36,6 +36,9 @@ class EngineArgs:
     mem_fraction_static: float = 0.2
     # Requests decoding at once (the continuous batch's size limit).
     max_running_requests: int = 128
+    # Requests allowed to wait beyond the running batch; a new one past that is refused at once (the server
+    # answers 503) instead of queueing without bound. None: no limit.
+    max_queued_requests: int | None = None
     # Prompt tokens prefilled in one step, over all requests admitted together.
     max_prefill_tokens: int = 16384
     # Prompts longer than this are prefilled in chunks, one per step, while decoding continues; -1 disables.
@@ -89,6 +92,8 @@ class EngineArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
@@ -103,23 +108,60 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Expose every field as `--field-name` (SGLang's flag names), typed from its annotation, booleans as
-        `--flag/--no-flag`, named choices listed, help from the comment above the field."""
-        comments = _field_comments(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f"{comments.get(f.name, '')} (default: {f.default})".strip().replace("%", "%%")
-            if f.type == "bool":
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-                continue
-            kind = int if "int" in f.type else float if "float" in f.type else str
-            parser.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=help_text,
-                                metavar=None if f.name in CHOICES else kind.__name__.upper())
+        add_dataclass_args(cls, parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        return from_cli_args(cls, args)
+
+
+@dataclass
+class ServerArgs:
+    """How `furcate serve` listens; the engine's own arguments stay in EngineArgs."""
+
+    # Interface to listen on; the loopback default keeps the server private to this machine.
+    host: str = "127.0.0.1"
+    # TCP port; 0 picks a free one (the ready line prints the URL actually bound).
+    port: int = 30000
+    # When set, every route except /health and /health_generate needs `Authorization: Bearer KEY`.
+    api_key: str | None = None
+    # The model name the OpenAI routes report and accept; defaults to the model path.
+    served_model_name: str | None = None
+    # Largest request body accepted, in bytes; a bigger one is answered 413.
+    max_request_bytes: int = 16 * 1024 * 1024
+    # Seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted.
+    graceful_shutdown_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not 0 <= self.graceful_shutdown_timeout < float("inf"):
+            raise ValueError(f"graceful_shutdown_timeout must be a finite number >= 0, got "
+                             f"{self.graceful_shutdown_timeout}")
+
+
+def add_dataclass_args(cls: type, parser: argparse.ArgumentParser) -> None:
+    """Expose every field as `--field-name` (SGLang's flag names), typed from its annotation, booleans as
+    `--flag/--no-flag`, named choices listed, help from the comment above the field."""
+    comments = _field_comments(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{comments.get(f.name, '')} (default: {f.default})".strip().replace("%", "%%")
+        if f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            continue
+        kind = int if "int" in f.type else float if "float" in f.type else str
+        parser.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=help_text,
+                            metavar=None if f.name in CHOICES else kind.__name__.upper())
+
+
+def from_cli_args(cls: type, args: argparse.Namespace):
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def _field_comments(cls: type) -> dict[str, str]:

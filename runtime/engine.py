@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -31,6 +31,10 @@ from .request_state import RequestState
 from .scheduler.process import AUTHKEY_ENV
 
 STARTUP_TIMEOUT_S = 600
+
+
+class QueueFullError(RuntimeError):
+    """More requests are in flight than max_running_requests + max_queued_requests allow; retry later."""
 
 
 def _deadline(timeout: Any, stream: bool) -> float | None:
@@ -81,6 +85,8 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self._dead: Exception | None = None  # set once the scheduler process or its connection is gone
+        # Called (on the receiver thread) with each request's RequestState when it ends: the server's metrics.
+        self.request_observers: list[Callable[[RequestState], None]] = []
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="furcate-receiver")
         self._receiver.start()
 
@@ -99,6 +105,7 @@ class Engine:
         deadline = _deadline(timeout, stream)
         reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                           top_logprobs_num, rid, stream, return_text_in_logprobs)
+        self._check_capacity(len(reqs))
         if stream:
             return self._stream_sync(reqs[0], return_text_in_logprobs)
         sinks = [queue.Queue() for _ in reqs]
@@ -122,6 +129,7 @@ class Engine:
         _deadline(timeout, stream)
         reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                           top_logprobs_num, rid, stream, return_text_in_logprobs)
+        self._check_capacity(len(reqs))
         if stream:
             return self._stream_async(reqs[0], return_text_in_logprobs)
         tasks = [asyncio.ensure_future(self._await_one(req, return_text_in_logprobs)) for req in reqs]
@@ -135,7 +143,15 @@ class Engine:
         return results[0] if single else list(results)
 
     def abort(self, rid: str) -> None:
-        self._send(AbortReq(rid))
+        """Abort request `rid`, and the requests a list or n > 1 call derived from it (`rid-i-j`)."""
+        with self._lock:
+            derived = [r for r in self._states if r.startswith(f"{rid}-")]
+        for one in [rid, *derived]:
+            self._send(AbortReq(one))
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._states)
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler counters: forward time, KV pool occupancy, running and waiting requests."""
@@ -180,6 +196,17 @@ class Engine:
         return (not self._closed and self._dead is None and self._process.poll() is None
                 and self._receiver.is_alive())
 
+    def _check_capacity(self, count: int) -> None:
+        """Refuse a call at once, all of it, when its requests would queue past max_queued_requests."""
+        limit = self.args.max_queued_requests
+        if limit is None:
+            return
+        capacity = self.args.max_running_requests + limit
+        in_flight = self.num_in_flight()
+        if in_flight + count > capacity:
+            raise QueueFullError(f"the request queue is full ({in_flight} requests in flight, room for {capacity}"
+                                 f" with max_queued_requests={limit}); retry later")
+
     def _submit(self, req: TokenizedGenerateReq, return_text: bool, sink) -> RequestState:
         if self._closed:
             raise RuntimeError("engine is shut down")
@@ -202,8 +229,9 @@ class Engine:
         """Nobody waits for this request any more: forget it here (later outputs are dropped) and abort it."""
         with self._lock:
             self._states.pop(state.req.rid, None)
+        self._observe(state)
         if self._dead is None and not self._closed:
-            self.abort(state.req.rid)
+            self._send(AbortReq(state.req.rid))
 
     @staticmethod
     def _drain_until_finished(state: RequestState, sink: queue.Queue, deadline: float | None = None) -> None:
@@ -331,6 +359,12 @@ class Engine:
         if state.finished:
             with self._lock:
                 self._states.pop(message.rid, None)
+            self._observe(state)
+
+    def _observe(self, state: RequestState) -> None:
+        for observer in self.request_observers:
+            with contextlib.suppress(Exception):  # metrics must never fail a request or stop the receiver
+                observer(state)
 
     def _die(self, error: Exception) -> None:
         self._dead = error
@@ -345,7 +379,7 @@ class Engine:
                 state.fail(RuntimeError(f"request {rid} failed while its output was processed: "
                                         f"{type(error).__name__}: {error}"))
             if self._dead is None and not self._closed:
-                self.abort(rid)
+                self._send(AbortReq(rid))
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:

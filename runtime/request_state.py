@@ -27,6 +27,11 @@ class RequestState:
         self.cached_tokens = 0
         self.logprobs: dict[str, list] = {}
         self.created = time.perf_counter()
+        # Timing for the server's metrics: when the first output token arrived, and the seconds per token
+        # between later arrivals (one sample per output chunk: a jump-forward chunk spreads over its tokens).
+        self.first_token_at: float | None = None
+        self.inter_token_latencies: list[float] = []
+        self.last_token_at = 0.0
 
     @property
     def finished(self) -> bool:
@@ -34,6 +39,7 @@ class RequestState:
 
     def apply(self, out: ReqOutput) -> None:
         """Fold one scheduler output in, then hand the incremental chunk to the sink."""
+        self._time_tokens(len(out.new_token_ids))
         self.output_ids.extend(out.new_token_ids)
         self.finish_reason = out.finish_reason or self.finish_reason
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
@@ -46,6 +52,16 @@ class RequestState:
             self.sink(error_type(self.finish_reason["message"]))
             return
         self.sink(self._chunk(new_logprobs))
+
+    def _time_tokens(self, count: int) -> None:
+        if not count:
+            return
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.inter_token_latencies.append((now - self.last_token_at) / count)
+        self.last_token_at = now
 
     def fail(self, error: Exception) -> None:
         self.finish_reason = {"type": "abort", "message": str(error)}

@@ -1,0 +1,184 @@
+"""SGLang's native routes: /generate (single, batch, streaming), health, model and server info, cache, abort."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from aiohttp import web
+
+from ... import __version__
+from ..engine import Engine
+from .errors import ApiError, check_fields, read_json_object
+from .keys import ENGINE, METRICS, SETTINGS
+from .sse import open_stream, send_done, send_event
+
+GENERATE_FIELDS = frozenset({
+    "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+    "return_text_in_logprobs", "stream", "rid", "image_data",
+})
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/server_info", get_server_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/metrics", metrics)
+
+
+def _engine(request: web.Request) -> Engine:
+    return request.app[ENGINE]
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    body = await read_json_object(request)
+    check_fields(body, GENERATE_FIELDS)
+    if body.get("image_data") is not None:
+        raise ApiError(400, "image_data is not supported: the served model has no vision encoder")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is not None and input_ids is not None:
+        raise ApiError(400, "send either text or input_ids, not both")
+    args = {
+        "prompt": text, "input_ids": input_ids, "sampling_params": body.get("sampling_params"),
+        "return_logprob": body.get("return_logprob", False), "rid": body.get("rid"),
+        "logprob_start_len": body.get("logprob_start_len", -1), "top_logprobs_num": body.get("top_logprobs_num", 0),
+        "return_text_in_logprobs": body.get("return_text_in_logprobs", False),
+    }
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false, got {stream!r}")
+    engine = _engine(request)
+    if not stream:
+        return web.json_response(await engine.async_generate(**args))
+    return await _stream_generate(request, await engine.async_generate(**args, stream=True))
+
+
+async def _stream_generate(request: web.Request, chunks) -> web.StreamResponse:
+    """Stream the chunks as SSE. The first chunk is awaited before the response starts, so a request that fails
+    early (a grammar that does not compile) still gets a 4xx status instead of an error inside a 200 stream."""
+    try:
+        first = await anext(chunks)
+        response = await open_stream(request)
+        await send_event(response, first)
+        try:
+            async for chunk in chunks:
+                await send_event(response, chunk)
+        except (ValueError, RuntimeError) as error:
+            status = 400 if isinstance(error, ValueError) else 500
+            await send_event(response, {"error": {"message": str(error), "code": status}})
+        await send_done(response)
+        return response
+    finally:
+        await chunks.aclose()  # a client gone mid-stream: closing the generator aborts the request
+
+
+async def health(request: web.Request) -> web.Response:
+    if not _engine(request).is_alive():
+        raise ApiError(503, "the engine is not running")
+    return web.Response(text="")
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Healthy when a one-token generation completes: the scheduler is not just alive but serving."""
+    engine = _engine(request)
+    if not engine.is_alive():
+        raise ApiError(503, "the engine is not running")
+    try:
+        await engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1},
+                                    timeout=HEALTH_GENERATE_TIMEOUT_S)
+    except (TimeoutError, RuntimeError) as error:
+        raise ApiError(503, f"generation is not working: {error}") from None
+    return web.Response(text="")
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    tokenizer = engine.tokenizer
+    return web.json_response({
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.tokenizer_path,
+        "served_model_name": request.app[SETTINGS].served_model_name or engine.model_path,
+        "is_generation": True,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "vocab_size": engine.info.vocab_size,
+        "context_length": engine.info.context_length,
+        "max_req_len": engine.info.max_req_len,
+    })
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    stats = await asyncio.to_thread(engine.get_stats)
+    settings = dataclasses.asdict(request.app[SETTINGS])
+    settings.pop("api_key")  # never echo the secret
+    return web.json_response({"version": __version__, **dataclasses.asdict(engine.args), **settings,
+                              "model_path": engine.model_path, "max_total_num_tokens": engine.info.max_total_tokens,
+                              "internal_states": [stats]})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    if request.method not in ("GET", "POST"):
+        raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+    if await asyncio.to_thread(_engine(request).flush_cache):
+        return web.json_response({"success": True, "message": "cache flushed"})
+    return web.json_response({"success": False, "message": "cache not flushed: requests are in flight"},
+                             status=400)
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await read_json_object(request)
+    rid = body.get("rid")
+    if not isinstance(rid, str) or not rid:
+        raise ApiError(400, f"rid must be a non-empty string, got {rid!r}")
+    _engine(request).abort(rid)
+    return web.json_response({"success": True})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """SGLang's /tokenize: {"prompt": str or list, "add_special_tokens": true} -> {"tokens", "count"}."""
+    body = await read_json_object(request)
+    check_fields(body, frozenset({"prompt", "add_special_tokens"}))
+    prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+    single = isinstance(prompt, str)
+    texts = [prompt] if single else prompt
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ApiError(400, "prompt must be a string or a non-empty list of strings")
+    if not isinstance(special, bool):
+        raise ApiError(400, f"add_special_tokens must be true or false, got {special!r}")
+    engine = _engine(request)
+    try:
+        tokens = [engine.tokenizer.encode(t, add_special_tokens=special) for t in texts]
+    except UnicodeEncodeError as error:
+        raise ApiError(400, f"prompt is not valid text: {error.reason}") from None
+    return web.json_response({"tokens": tokens[0] if single else tokens,
+                              "count": len(tokens[0]) if single else [len(t) for t in tokens],
+                              "max_model_len": engine.info.context_length})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = await read_json_object(request)
+    check_fields(body, frozenset({"tokens", "skip_special_tokens"}))
+    tokens, skip = body.get("tokens"), body.get("skip_special_tokens", True)
+    engine = _engine(request)
+    vocab = engine.info.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                               for t in tokens):
+        raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab})")
+    if not isinstance(skip, bool):
+        raise ApiError(400, f"skip_special_tokens must be true or false, got {skip!r}")
+    return web.json_response({"text": engine.tokenizer.decode(tokens, skip_special_tokens=skip)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = await request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": content_type})

@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from furcate import Engine
 from furcate.runtime.model.default_model import prepare_default_model
+from furcate.runtime.server.launch import ServerProcess
 
 from .tiny_models import CONFIGS, build_tiny_model
 
@@ -56,6 +58,27 @@ def default_engine():
 def llama_engine(tiny_model_dirs):
     with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dirs):
+    """A live `furcate serve` on the tiny llama model, on a free loopback port (no API key)."""
+    with ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS,
+                                                       "torch_num_threads": 2}) as server:
+        yield server
+
+
+def assert_server_pool_free(url: str, headers: dict | None = None) -> None:
+    """assert_pool_free over HTTP: nothing in flight, the KV bookkeeping intact, a flush frees every slot."""
+    info = requests.get(f"{url}/get_server_info", params={"check_integrity": "1"}, headers=headers, timeout=60)
+    stats = info.json()["internal_states"][0]
+    assert stats["kv_integrity"] is True
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    assert stats["protected_tokens"] == 0, stats
+    assert stats["kv_available"] + stats["evictable_tokens"] == stats["max_total_tokens"], stats
+    assert requests.post(f"{url}/flush_cache", headers=headers, timeout=60).json()["success"] is True
+    stats = requests.get(f"{url}/get_server_info", headers=headers, timeout=60).json()["internal_states"][0]
+    assert stats["kv_available"] == stats["max_total_tokens"], stats
 
 
 @pytest.fixture

@@ -119,6 +119,8 @@ async def get_model_info(request: web.Request) -> web.Response:
 async def get_server_info(request: web.Request) -> web.Response:
     engine = _engine(request)
     stats = await asyncio.to_thread(engine.get_stats)
+    if request.query.get("check_integrity") in ("1", "true"):  # a full scan of the KV bookkeeping (tests, debugging)
+        stats["kv_integrity"] = await asyncio.to_thread(engine.check_integrity)
     settings = dataclasses.asdict(request.app[SETTINGS])
     settings.pop("api_key")  # never echo the secret
     return web.json_response({"version": __version__, **dataclasses.asdict(engine.args), **settings,

@@ -20,15 +20,18 @@ from .lang import (
 
 __version__ = "0.1.0"
 __all__ = [
-    "Backend", "Engine", "EngineArgs", "Function", "LocalBackend", "ProgramError", "ProgramState",
-    "ProgramStateGroup", "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen",
-    "gen_int", "gen_string", "get_server_info", "greedy_token_selection", "image", "select", "set_default_backend",
-    "system", "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized",
-    "user", "user_begin", "user_end", "video",
+    "Backend", "Engine", "EngineArgs", "Function", "LocalBackend", "OpenAI", "ProgramError", "ProgramState",
+    "ProgramStateGroup", "Runtime", "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end",
+    "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "greedy_token_selection", "image",
+    "select", "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
+    "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video",
 ]
 
 if TYPE_CHECKING:
+    from .interpreter.backends.endpoint import RuntimeEndpoint
     from .interpreter.backends.local import LocalBackend
+    from .interpreter.backends.openai_backend import OpenAI
+    from .interpreter.backends.runtime_server import Runtime
     from .runtime.config import EngineArgs
     from .runtime.engine import Engine
 
@@ -47,4 +50,17 @@ def __getattr__(name: str) -> Any:
         from .interpreter.backends.local import LocalBackend
 
         return LocalBackend
+    # The remote backends pull in aiohttp / openai: also imported on first use only.
+    if name == "RuntimeEndpoint":
+        from .interpreter.backends.endpoint import RuntimeEndpoint
+
+        return RuntimeEndpoint
+    if name == "Runtime":
+        from .interpreter.backends.runtime_server import Runtime
+
+        return Runtime
+    if name == "OpenAI":
+        from .interpreter.backends.openai_backend import OpenAI
+
+        return OpenAI
     raise AttributeError(f"module 'furcate' has no attribute {name!r}")

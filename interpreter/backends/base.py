@@ -7,7 +7,7 @@ Engine-shaped result dicts (`text`, `output_ids`, `meta_info`) coming back.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ...lang.choices import ChoiceScores
@@ -47,28 +47,64 @@ class Backend(ABC):
         return {}
 
 
-def choice_token_ids(tokenizer: Any, prompt: str, choices: list[str]) -> tuple[list[list[int]], list[int]]:
-    """Token ids of prompt+choice for each choice, and where each choice's own tokens start.
+class TokenScoringBackend(Backend):
+    """A backend over furcate's runtime (in process or over HTTP): it scores choices the runtime's way, from the
+    prompt logprobs of token ids, with all choices in one request over the cached prompt."""
+
+    @abstractmethod
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        """`tokenizer.encode(text)` for each text, as the model's tokenizer does it (its special tokens included)."""
+
+    @abstractmethod
+    async def prefill_logprobs(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict]:
+        """One request of every row with max_new_tokens 0 and return_logprob: each row's result dict."""
+
+    @abstractmethod
+    def start_token_id(self) -> int:
+        """The context of an unconditional score: the BOS token, or the EOS when the tokenizer has none."""
+
+    async def score_choices(self, prompt: str, choices: list[str], unconditional: bool) -> list[ChoiceScores]:
+        prompt_ids, *ids = await self.encode([prompt] + [prompt + choice for choice in choices])
+        starts = choice_starts(prompt_ids, ids)
+        first = min(starts)
+        if len(choices) > 1:
+            # Computed once here, the prompt is a cache hit for every choice below; sent with them instead, each
+            # choice would compute whatever part of it was not cached yet (the scheduler only holds back
+            # requests that share 32 or more uncached tokens).
+            await self.cache_prefix(prompt)
+        # One request of all choices: they batch together over the cached prompt.
+        conditional = await self.prefill_logprobs(ids, first)
+        scores = [logprob_values(r["meta_info"]["input_token_logprobs"], start - first)
+                  for r, start in zip(conditional, starts)]
+        if not unconditional:
+            return [ChoiceScores(s) for s in scores]
+        bare = [[self.start_token_id()] + row[start:] for row, start in zip(ids, starts)]
+        alone = await self.prefill_logprobs(bare, 1)
+        return [ChoiceScores(s, logprob_values(r["meta_info"]["input_token_logprobs"], 0))
+                for s, r in zip(scores, alone)]
+
+
+def choice_starts(prompt_ids: Sequence[object], choice_ids: Sequence[Sequence[object]]) -> list[int]:
+    """Where each choice's own tokens start in the tokens of prompt+choice (token ids, or token texts where an
+    API gives only those).
 
     A choice starts at the first token where prompt+choice and the prompt alone tokenize differently, so a
     token that merges the prompt's end with the choice's start counts as the choice's (token healing).
     """
-    prompt_ids = tokenizer.encode(prompt)
-    full = [tokenizer.encode(prompt + choice) for choice in choices]
     starts = []
-    for ids in full:
+    for ids in choice_ids:
         common = 0
         for a, b in zip(prompt_ids, ids):
             if a != b:
                 break
             common += 1
         starts.append(min(common, len(ids) - 1))
-    return full, starts
+    return starts
 
 
-def start_token_id(tokenizer: Any) -> int:
-    """The context of an unconditional score: the tokenizer's BOS token, or its EOS when it has none."""
-    for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+def first_special_id(bos_token_id: int | None, eos_token_id: int | None) -> int:
+    """The BOS token id, or the EOS one when there is no BOS (the start of an unconditional score)."""
+    for token_id in (bos_token_id, eos_token_id):
         if token_id is not None:
             return token_id
     raise ValueError("the tokenizer has neither a BOS nor an EOS token to score choices unconditionally")

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...lang.choices import ChoiceScores
 from ..chat_template import ChatTemplate
-from .base import Backend, choice_token_ids, logprob_values, start_token_id
+from .base import TokenScoringBackend, first_special_id
 
 
-class LocalBackend(Backend):
+class LocalBackend(TokenScoringBackend):
     """`LocalBackend(engine, chat_template=None)`; `chat_template` (a Jinja string) overrides the model's."""
 
     capabilities = frozenset({"regex", "json_schema", "ebnf", "stop_regex", "logprobs"})
@@ -36,26 +35,15 @@ class LocalBackend(Backend):
         async for chunk in chunks:
             yield chunk
 
-    async def score_choices(self, prompt: str, choices: list[str], unconditional: bool) -> list[ChoiceScores]:
-        ids, starts = choice_token_ids(self.tokenizer, prompt, choices)
-        first = min(starts)
-        if len(choices) > 1:
-            # Computed once here, the prompt is a cache hit for every choice below; sent with them instead, each
-            # choice would compute whatever part of it was not cached yet (the scheduler only holds back
-            # requests that share 32 or more uncached tokens).
-            await self.cache_prefix(prompt)
-        # One request of all choices: they batch together over the cached prompt.
-        conditional = await self.engine.async_generate(
-            input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=first)
-        scores = [logprob_values(r["meta_info"]["input_token_logprobs"], start - first)
-                  for r, start in zip(conditional, starts)]
-        if not unconditional:
-            return [ChoiceScores(s) for s in scores]
-        bare = [[start_token_id(self.tokenizer)] + row[start:] for row, start in zip(ids, starts)]
-        alone = await self.engine.async_generate(
-            input_ids=bare, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=1)
-        return [ChoiceScores(s, logprob_values(r["meta_info"]["input_token_logprobs"], 0))
-                for s, r in zip(scores, alone)]
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenizer.encode(text) for text in texts]
+
+    async def prefill_logprobs(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict]:
+        return await self.engine.async_generate(input_ids=input_ids, sampling_params={"max_new_tokens": 0},
+                                                return_logprob=True, logprob_start_len=logprob_start_len)
+
+    def start_token_id(self) -> int:
+        return first_special_id(self.tokenizer.bos_token_id, self.tokenizer.eos_token_id)
 
     async def cache_prefix(self, prompt: str) -> None:
         await self.engine.async_generate(prompt, {"max_new_tokens": 0})

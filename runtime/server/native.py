@@ -109,6 +109,7 @@ async def get_model_info(request: web.Request) -> web.Response:
         "is_generation": True,
         "chat_template": getattr(tokenizer, "chat_template", None),
         "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+        "special_tokens_map": tokenizer.special_tokens_map,
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
         "vocab_size": engine.info.vocab_size,
         "context_length": engine.info.context_length,

@@ -272,7 +272,8 @@ class _ChunkWriter:
     def _chat_chunk(self, index: int, delta: str, meta: dict[str, Any], first: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "delta": {"content": delta, **({"role": "assistant"} if first
                                                                                  else {})},
-                                  "finish_reason": fmt.finish_reason(meta), "logprobs": None}
+                                  "finish_reason": fmt.finish_reason(meta), "logprobs": None,
+                                  "matched_stop": fmt.matched_stop(meta)}
         if self.job.logprobs is not None:
             choice["logprobs"] = fmt.chat_logprobs(meta["output_token_logprobs"], meta.get("output_top_logprobs"))
         return fmt.envelope("chat.completion.chunk", self.id, self.job.model, choices=[choice])
@@ -281,7 +282,7 @@ class _ChunkWriter:
         if first and self.job.echo_texts:
             delta = self.job.echo_texts[index // self.job.n] + delta
         choice: dict[str, Any] = {"index": index, "text": delta, "finish_reason": fmt.finish_reason(meta),
-                                  "logprobs": None}
+                                  "logprobs": None, "matched_stop": fmt.matched_stop(meta)}
         if self.job.logprobs is not None:
             logprobs = _completion_logprobs(meta, first and bool(self.job.echo_texts))
             logprobs["text_offset"] = [o + self.offsets[index] for o in logprobs["text_offset"]]

@@ -1,0 +1,52 @@
+"""`Runtime`: a furcate server in a child process, and the endpoint that talks to it (SGLang's `sgl.Runtime`)."""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any, Self
+
+from .endpoint import RuntimeEndpoint
+
+
+class Runtime:
+    """`Runtime(model_path="default", **engine_args)` starts `furcate serve` on a free local port and waits until
+    it is ready; `.url` is its address, `.endpoint` the RuntimeEndpoint programs run on (pass the Runtime itself
+    as a backend: it is unwrapped to its endpoint). `shutdown()` (or leaving a `with` block, or the interpreter
+    exiting) stops the server.
+
+    `host`, `port` (0: a free one) and `api_key` configure the server; `startup_timeout` bounds the wait for it.
+    """
+
+    def __init__(self, model_path: str = "default", *, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None, startup_timeout: float = 600.0, **engine_args: Any) -> None:
+        from ...runtime.server.launch import ServerProcess
+
+        self.server = ServerProcess(model_path, engine_args, host=host, port=port, api_key=api_key,
+                                    startup_timeout=startup_timeout)
+        self.url: str = self.server.url
+        try:
+            self.endpoint = RuntimeEndpoint(self.url, api_key=api_key)
+        except BaseException:
+            self.server.stop()
+            raise
+        # A server left running would outlive the program that started it.
+        atexit.register(self.shutdown)
+
+    @property
+    def pid(self) -> int:
+        return self.server.process.pid
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the server (SIGTERM, then a kill after `timeout` seconds); calling it again does nothing."""
+        atexit.unregister(self.shutdown)
+        self.endpoint.close()
+        self.server.stop(timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"Runtime({self.url!r})"

@@ -42,9 +42,11 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     if not raw:
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
+        text = raw.decode("utf-8")  # explicitly: json.loads(bytes) would guess UTF-16/32 from the first bytes
     except UnicodeDecodeError as error:
         raise ApiError(400, f"the request body is not UTF-8: {error.reason} at byte {error.start}") from None
+    try:
+        body = json.loads(text)
     except json.JSONDecodeError as error:
         raise ApiError(400, f"malformed JSON: {error.msg} (line {error.lineno}, column {error.colno})") from None
     except RecursionError:

@@ -25,7 +25,23 @@ def test_engine_flags_arrive_typed_and_booleans_go_both_ways():
     assert params["top_p"] == 0.9 and params["stop"] == ["a", "b"] and params["choices"] == ["x", "y"]
 
 
+def test_serve_flags_arrive_typed():
+    from furcate.runtime.config import EngineArgs, ServerArgs, from_cli_args
+
+    args = build_parser().parse_args(["serve", "--model-path", "m", "--port", "0", "--api-key", "k",
+                                      "--context-length", "2048", "--no-disable-overlap-schedule",
+                                      "--max-queued-requests", "5", "--graceful-shutdown-timeout", "2.5"])
+    engine_args, server = EngineArgs.from_cli_args(args), from_cli_args(ServerArgs, args)
+    assert engine_args.model_path == "m" and engine_args.context_length == 2048
+    assert engine_args.disable_overlap_schedule is False and engine_args.max_queued_requests == 5
+    assert server.host == "127.0.0.1" and server.port == 0 and server.api_key == "k"
+    assert server.graceful_shutdown_timeout == 2.5
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["serve", "--port", "70000"], "port"),
+    (["serve", "--api-key", ""], "api_key"),
+    (["serve", "--max-queued-requests", "-1"], "max_queued_requests"),
     (["generate", ""], "prompt is empty"),
     (["generate", "hi", "--context-length", "abc"], "invalid int value"),
     (["generate", "hi", "--schedule-policy", "fastest"], "invalid choice"),

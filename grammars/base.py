@@ -5,14 +5,15 @@ Masks use one packed layout for every backend: int32 words, bit j of word i set 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from .spec import ANY_JSON, KINDS, GrammarSpec, normalize
 
-__all__ = ["ANY_JSON", "KINDS", "GrammarSpec", "normalize", "Matcher", "CompiledGrammar", "GrammarBackend",
-           "allocate_bitmask", "apply_bitmask"]
+__all__ = ["ANY_JSON", "KINDS", "Compiled", "CompiledGrammar", "Fidelity", "GrammarBackend", "GrammarPlan",
+           "GrammarSpec", "Matcher", "PlanningBackend", "allocate_bitmask", "apply_bitmask", "normalize"]
 
 
 class Matcher(Protocol):
@@ -33,8 +34,40 @@ class Matcher(Protocol):
         """The continuation the grammar forces from here ('' when more than one is possible)."""
 
 
+@dataclass(frozen=True)
+class Fidelity:
+    """How faithfully a compiled grammar enforces its spec, as its backend reported or we measured at compile time.
+
+    Exact means: the grammar accepts some serialization of every instance the spec allows, and none of any instance it
+    forbids. Serialization choices are not departures: the JSON backends fix the key order to the schema's and the
+    whitespace to `, ` and `: `, and none of them stops a key allowed by additionalProperties from repeating.
+    """
+
+    backend: str
+    # Each entry names a keyword or feature and what the grammar does instead ("uniqueItems: not enforced").
+    approximations: tuple[str, ...] = ()
+
+    @property
+    def exact(self) -> bool:
+        return not self.approximations
+
+    def describe(self) -> str:
+        return f"{self.backend}: " + ("exact" if self.exact else "; ".join(self.approximations))
+
+
 class CompiledGrammar(Protocol):
+    fidelity: Fidelity
+
     def matcher(self) -> Matcher: ...
+
+
+class GrammarPlan(Protocol):
+    """A spec a backend has converted but not yet compiled: how faithful its grammar will be is known already."""
+
+    fidelity: Fidelity
+
+    def compile(self) -> CompiledGrammar:
+        """Raises ValueError naming the problem when the grammar does not compile."""
 
 
 class GrammarBackend(Protocol):
@@ -42,6 +75,28 @@ class GrammarBackend(Protocol):
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Raises ValueError naming the problem when the spec does not compile."""
+
+
+class PlanningBackend(GrammarBackend, Protocol):
+    """A backend that can tell a grammar's fidelity before the costly part of its compile (xgrammar's can take
+    seconds), so grammar_backend="auto" compiles only the grammar it will use."""
+
+    def plan(self, spec: GrammarSpec) -> GrammarPlan:
+        """Raises ValueError naming the problem when the spec does not convert."""
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The plan of a backend whose conversion is its whole compile: the grammar is there already."""
+
+    grammar: CompiledGrammar
+
+    @property
+    def fidelity(self) -> Fidelity:
+        return self.grammar.fidelity
+
+    def compile(self) -> CompiledGrammar:
+        return self.grammar
 
 
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:

@@ -9,8 +9,10 @@ import re
 import torch
 from outlines_core import Guide, Index, Vocabulary
 
+from .base import Fidelity
+from .isolated import compile_isolated
+from .regex_dialect import with_ascii_classes
 from .spec import ANY_JSON, GrammarSpec
-from .isolated import build_index_isolated
 
 MAX_ROLLBACK = 200
 # Bounds one compile's own allocations; some schemas' DFAs grow past 16 GB.
@@ -90,9 +92,10 @@ class OutlinesMatcher:
 
 
 class OutlinesCompiled:
-    def __init__(self, index: Index, eos_token_id: int) -> None:
+    def __init__(self, index: Index, eos_token_id: int, fidelity: Fidelity) -> None:
         self.index = index
         self.eos_token_id = eos_token_id
+        self.fidelity = fidelity
 
     def matcher(self) -> OutlinesMatcher:
         return OutlinesMatcher(self.index, self.eos_token_id)
@@ -108,12 +111,16 @@ class OutlinesBackend:
 
     def compile(self, spec: GrammarSpec) -> OutlinesCompiled:
         kind, source = self._source(spec)
+        departures: list[str] = []
+        if spec.kind == "regex":  # outlines-core's \d and \w are Unicode classes
+            source, departures = with_ascii_classes(source)
         try:
-            index = build_index_isolated(kind, source, self._vocabulary, self.compile_timeout_s,
-                                         COMPILE_MEMORY_LIMIT_BYTES)
+            index, approximations = compile_isolated(kind, source, self._vocabulary, self.compile_timeout_s,
+                                                     COMPILE_MEMORY_LIMIT_BYTES)
         except ValueError as error:
             raise ValueError(f"{spec.kind} does not compile with outlines-core: {error}") from None
-        return OutlinesCompiled(index, self.eos_token_id)
+        fidelity = Fidelity(self.name, tuple(approximations) + tuple(departures))
+        return OutlinesCompiled(index, self.eos_token_id, fidelity)
 
     @staticmethod
     def _source(spec: GrammarSpec) -> tuple[str, str]:

@@ -23,7 +23,7 @@ class GrammarSpec:
 
     @classmethod
     def from_params(cls, json_schema: Any = None, regex: str | None = None, ebnf: str | None = None,
-                    choices: list[str] | None = None) -> "GrammarSpec | None":
+                    choices: list[str] | None = None) -> GrammarSpec | None:
         given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf),
                                    ("choices", choices)) if v is not None}
         if not given:

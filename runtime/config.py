@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native",)
-GRAMMAR_BACKENDS = ("xgrammar", "outlines", "none")
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
            "attention_backend": ATTENTION_BACKENDS}
@@ -52,8 +52,10 @@ class EngineArgs:
     # The overlapped loop (forward on a worker thread) measured 9% slower than the plain loop on a 2-core CPU,
     # where the scheduler thread competes with torch's threads; so it is opt-in here.
     disable_overlap_schedule: bool = True
-    # Constrained decoding library for json_schema / regex / ebnf / choices.
-    grammar_backend: str = "xgrammar"
+    # Constrained decoding library for json_schema / regex / ebnf / choices; auto picks, per spec, the fastest one
+    # that enforces it exactly (grammars/auto.py) and fails a request none does unless it sets
+    # allow_approximate_schema.
+    grammar_backend: str = "auto"
     # A grammar still compiling this many seconds after its compile began fails its request (others are never
     # held up); outlines-core compiles are killed then.
     grammar_compile_timeout: float = 30.0

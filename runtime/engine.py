@@ -29,6 +29,7 @@ from .model.loader import resolve_model_path
 from .request_builder import RequestBuilder
 from .request_state import RequestState
 from .scheduler.process import AUTHKEY_ENV
+from .schema_check import SchemaChecker
 
 STARTUP_TIMEOUT_S = 600
 
@@ -85,6 +86,7 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self._dead: Exception | None = None  # set once the scheduler process or its connection is gone
+        self.schema_checker = SchemaChecker()  # validates finished json_schema outputs on the receiver thread
         # Called (on the receiver thread) with each request's RequestState when it ends: the server's metrics.
         self.request_observers: list[Callable[[RequestState], None]] = []
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="furcate-receiver")
@@ -154,8 +156,9 @@ class Engine:
             return len(self._states)
 
     def get_stats(self) -> dict[str, Any]:
-        """Scheduler counters: forward time, KV pool occupancy, running and waiting requests."""
-        return self._rpc("get_stats")
+        """Scheduler counters (forward time, KV pool occupancy, running and waiting requests) and this side's
+        structured-output checks (schema_checked, schema_violations, schema_incomplete, schema_unchecked)."""
+        return {**self._rpc("get_stats"), **self.schema_checker.stats()}
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; False (nothing done) while requests are in flight."""
@@ -212,7 +215,7 @@ class Engine:
             raise RuntimeError("engine is shut down")
         if self._dead is not None:
             raise RuntimeError(f"engine cannot serve: {self._dead}")
-        state = RequestState(req, self.tokenizer, return_text, sink)
+        state = RequestState(req, self.tokenizer, return_text, sink, self.schema_checker)
         with self._lock:
             if req.rid in self._states:
                 raise ValueError(f"rid {req.rid!r} is already in flight")

@@ -8,11 +8,13 @@ from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, stream_holdback, trim_stop
 from .io import ReqOutput, TokenizedGenerateReq
+from .schema_check import SchemaChecker, SchemaVerdict
 
 
 class RequestState:
     def __init__(self, req: TokenizedGenerateReq, tokenizer, return_text_in_logprobs: bool,
-                 sink: Callable[[dict[str, Any] | Exception], None]) -> None:
+                 sink: Callable[[dict[str, Any] | Exception], None],
+                 schema_checker: SchemaChecker | None = None) -> None:
         self.req = req
         self.tokenizer = tokenizer
         self.return_text = return_text_in_logprobs
@@ -32,6 +34,11 @@ class RequestState:
         self.first_token_at: float | None = None
         self.inter_token_latencies: list[float] = []
         self.last_token_at = 0.0
+        # json_schema requests get their finished text validated; no other request touches the checker.
+        grammar = params.grammar
+        self.schema = grammar.spec if grammar is not None and grammar.kind == "json_schema" else None
+        self.schema_checker = schema_checker
+        self.schema_verdict: SchemaVerdict | None = None
 
     @property
     def finished(self) -> bool:
@@ -51,7 +58,22 @@ class RequestState:
             error_type = ValueError if status < 500 else RuntimeError
             self.sink(error_type(self.finish_reason["message"]))
             return
+        if self.schema is not None and self.schema_checker is not None and out.finish_reason is not None:
+            self._check_schema()
         self.sink(self._chunk(new_logprobs))
+
+    def _check_schema(self) -> None:
+        if self.finish_reason["type"] not in ("stop", "length"):  # aborted: no finished output to judge
+            return
+        cut = cut_by(self.finish_reason, self.req.sampling_params.stop_token_ids)
+        self.schema_verdict = self.schema_checker.check(self.schema, self._content_text(), cut)
+
+    def _content_text(self) -> str:
+        """The output as the schema sees it: without the stop token that ended it (shown when special tokens are)."""
+        ids = self.output_ids
+        if ids and ids[-1] == self.finish_reason.get("matched"):
+            ids = ids[:-1]
+        return trim_stop(self.detokenizer.decode(ids), self.finish_reason, self.req.sampling_params.no_stop_trim)
 
     def _time_tokens(self, count: int) -> None:
         if not count:
@@ -90,6 +112,8 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": time.perf_counter() - self.created,
         }
+        if self.schema_verdict is not None:
+            meta.update(self.schema_verdict.meta())
         if self.req.return_logprob:
             meta["input_token_logprobs"] = logprobs.get("input_token_logprobs", [])
             meta["output_token_logprobs"] = logprobs.get("output_token_logprobs", [])
@@ -114,3 +138,14 @@ class RequestState:
         pairs = list(pairs)
         texts = [self.tokenizer.decode([t]) for _, t in pairs] if self.return_text else [None] * len(pairs)
         return [(lp, t, text) for (lp, t), text in zip(pairs, texts)]
+
+
+def cut_by(reason: dict[str, Any], stop_token_ids: list[int]) -> str | None:
+    """What ended an output before its grammar did, or None: under a grammar only the grammar's own end lets the
+    model's EOS through, so any other stop is a cut."""
+    matched = reason.get("matched")
+    if reason["type"] == "length":
+        return "length"
+    if isinstance(matched, str):
+        return "stop string"
+    return "stop token" if matched in stop_token_ids else None

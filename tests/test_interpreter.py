@@ -6,7 +6,7 @@ import asyncio
 import re
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 import furcate as sgl
 from furcate import ProgramError
@@ -103,8 +103,11 @@ def test_regex_and_dtype_gens_match_and_parse(backend):
 
 
 class Pet(BaseModel):
-    name: str
-    legs: int
+    # Closed and bounded, so even a random model's output ends within its tokens (JSON Schema allows unlisted
+    # properties unless told otherwise, and the grammar follows it).
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=12)
+    legs: int = Field(ge=0, le=8)
 
 
 def test_json_schema_gen_gives_a_validated_model_instance(backend):

@@ -4,7 +4,7 @@ HTTP) and on OpenAI (furcate's own /v1 routes) give what the same programs give 
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 import furcate as sgl
 from furcate import ProgramError
@@ -193,8 +193,10 @@ def test_roles_render_with_the_servers_template(llama_engine, endpoint, tokenize
 
 
 class Pet(BaseModel):
-    name: str
-    legs: int
+    # Closed and bounded, so even a random model's output ends within its tokens.
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=12)
+    legs: int = Field(ge=0, le=8)
 
 
 class Verdict(BaseModel):

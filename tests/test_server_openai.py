@@ -138,6 +138,19 @@ def test_response_format_json_schema(client, model):
         assert any_object.choices[0].message.content.lstrip().startswith("{")
 
 
+def test_schema_no_backend_enforces_exactly(client, model):
+    """uniqueItems: refused with a 400 naming the keyword, unless the request allows an approximation."""
+    unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}
+    response_format = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": unique}}
+    with pytest.raises(openai.BadRequestError, match="uniqueItems.*allow_approximate_schema"):
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=30, temperature=0,
+                                       response_format=response_format)
+    out = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=30, temperature=0,
+                                         response_format=response_format,
+                                         extra_body={"allow_approximate_schema": True})
+    assert out.choices[0].message.content.startswith("[")
+
+
 def test_errors_through_the_client(client, model):
     with pytest.raises(openai.NotFoundError, match="not served"):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)

@@ -18,7 +18,8 @@ MAX_N = 1024
 # Longest lists a request may carry: enough for any real use, small enough that no request allocates unbounded.
 MAX_STOPS = 64
 MAX_STOP_TOKEN_IDS = 1024
-BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+               "allow_approximate_schema")
 
 
 @dataclass
@@ -49,6 +50,9 @@ class SamplingParams:
     ebnf: str | None = None
     choices: list[str] | None = None
     grammar: GrammarSpec | None = None
+    # Under grammar_backend="auto", serve a constraint that no backend enforces exactly with the closest
+    # approximation instead of failing the request.
+    allow_approximate_schema: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "SamplingParams":

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ...grammars.auto import approximation_refused
 from ...grammars.base import allocate_bitmask
 from ...grammars.cache import GrammarCache
 from .req import Req
@@ -18,6 +19,9 @@ class GrammarQueue:
     def __init__(self, cache: GrammarCache | None, timeout_s: float) -> None:
         self.cache = cache
         self.timeout_s = timeout_s
+        # Under grammar_backend="auto" a grammar that only approximates its spec serves only requests that allow it;
+        # a backend named explicitly serves its approximations, as the user chose it.
+        self.exact_only = cache is not None and cache.backend.name == "auto"
         self.waiting: list[tuple[Req, Future]] = []
         self.fill_seconds: deque[float] = deque(maxlen=50_000)  # per request-token mask fill times
 
@@ -47,20 +51,30 @@ class GrammarQueue:
             # The clock starts when the compile does: time queued behind other compiles does not count.
             started = self.cache.started_at(req.params.grammar)
             if future.done():
-                try:
-                    req.matcher = future.result().matcher()
+                problem = self._attach_matcher(req, future)
+                if problem is None:
                     ready.append(req)
-                except ValueError as error:
-                    failed.append((req, str(error)))
-                except Exception as error:  # noqa: BLE001 - a backend's own failure fails this request only
-                    failed.append((req, f"{req.params.grammar.kind} failed to compile: {type(error).__name__}: "
-                                        f"{error}"))
+                else:
+                    failed.append((req, problem))
             elif started is not None and now - started > self.timeout_s:
                 failed.append((req, f"{req.params.grammar.kind} did not compile within {self.timeout_s:g}s"))
             else:
                 still.append((req, future))
         self.waiting = still
         return ready, failed
+
+    def _attach_matcher(self, req: Req, future: Future) -> str | None:
+        """Give `req` its grammar's matcher; the reason instead when the grammar failed or may not serve it."""
+        try:
+            compiled = future.result()
+            if self.exact_only and not compiled.fidelity.exact and not req.params.allow_approximate_schema:
+                return approximation_refused(req.params.grammar, compiled)
+            req.matcher = compiled.matcher()
+            return None
+        except ValueError as error:
+            return str(error)
+        except Exception as error:  # noqa: BLE001 - a backend's own failure fails this request only
+            return f"{req.params.grammar.kind} failed to compile: {type(error).__name__}: {error}"
 
     def remove(self, rid: str) -> list[Req]:
         gone = [entry[0] for entry in self.waiting if entry[0].rid == rid]

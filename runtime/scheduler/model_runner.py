@@ -49,7 +49,8 @@ class ModelRunner:
         self.max_total_tokens = args.max_total_tokens or self._tokens_from_memory(args, attn)
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length + 1, args.device)
         self.kv_pool = TokenToKVPool(
-            self.max_total_tokens, len(self.model.model.layers), attn.num_kv_heads, attn.head_dim, self.dtype, args.device
+            self.max_total_tokens, len(self.model.model.layers), attn.num_kv_heads, attn.head_dim, self.dtype,
+            args.device,
         )
         self.attn_backend = ATTENTION_BACKENDS[args.attention_backend]()
         self.vocab_size = self.config.vocab_size

@@ -37,6 +37,7 @@ class OverlapLoop:
     def run(self) -> None:
         scheduler = self.scheduler
         in_flight: Launched | None = None
+        launched: Launched | None = None
         try:
             while scheduler.receive_messages(block=in_flight is None and not scheduler.has_work):
                 if in_flight is not None and scheduler.memory.room() < len(scheduler.running):
@@ -52,11 +53,18 @@ class OverlapLoop:
                 scheduler.send_outputs()
                 in_flight = launched
         finally:
-            if in_flight is not None:
-                if not in_flight.sampling_inputs.done():  # never leave the worker waiting on us
-                    in_flight.sampling_inputs.set_exception(RuntimeError("scheduler loop stopped"))
-                in_flight.result.exception()  # let the worker finish before the process goes away
+            # An error while completing batch N leaves batch N+1 launched too: release both, or the worker waits
+            # for N+1's masks forever and the error never reaches the engine.
+            for pending in (in_flight, launched):
+                if pending is not None:
+                    self.abandon(pending)
             self.worker.shutdown(wait=True)
+
+    @staticmethod
+    def abandon(launched: Launched) -> None:
+        if not launched.sampling_inputs.done():  # never leave the worker waiting on us
+            launched.sampling_inputs.set_exception(RuntimeError("scheduler loop stopped"))
+        launched.result.exception()  # let the worker finish before the process goes away
 
     def launch(self, batch: ScheduleBatch) -> Launched:
         for piece in batch.slices:

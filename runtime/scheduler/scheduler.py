@@ -5,6 +5,7 @@ The loop is three calls: take new messages, build and run the next batch, send w
 
 from __future__ import annotations
 
+import logging
 import random
 from multiprocessing.connection import Connection
 from typing import Any
@@ -18,6 +19,7 @@ from ..config import EngineArgs
 from ..io import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
+from .jump_forward import forced_tokens
 from .memory import MemoryManager
 from .model_runner import ModelRunner, SamplingInputs, StepResult
 from .overlap import OverlapLoop
@@ -25,7 +27,7 @@ from .policy import order_waiting
 from .prefill_adder import PrefillAdder
 from .req import Req
 
-
+logger = logging.getLogger("furcate.scheduler")
 
 class Scheduler:
     def __init__(self, args: EngineArgs, model_path: str, tokenizer_path: str, conn: Connection) -> None:
@@ -301,14 +303,21 @@ class Scheduler:
             req.finish_reason = {"type": "stop", "matched": token}
 
     def jump_forward(self, req: Req) -> bool:
-        """Append the tokens the grammar forces next; they are computed with the next step's extend."""
-        if req.matcher is None or req.return_logprob:
+        """Append the tokens the grammar forces next (which ones: jump_forward.py); the next step's extend computes
+        them. True when tokens were appended."""
+        if req.matcher is None or req.return_logprob:  # jumped tokens have no sampled logprob to report
             return False
-        forced = req.matcher.jump_forward()
+        try:
+            forced = req.matcher.jump_forward()
+        except Exception as error:  # noqa: BLE001 - jump-forward only saves steps; the request decodes on without it
+            logger.warning("request %s: the grammar's jump-forward failed, decoding on without it: %s: %s",
+                           req.rid, type(error).__name__, error)
+            return False
         if not forced:
             return False
         taken = 0
-        for token in self.tokenizer.encode(forced, add_special_tokens=False)[: req.remaining_output - 1]:
+        # The request must still sample after a jump: jumped tokens never use up max_new_tokens.
+        for token in forced_tokens(self.tokenizer, forced, req.remaining_output - 1):
             if req.finished or not req.matcher.accept(token):
                 break
             req.append_token(token, self.decode_tail, self.runner.context_length)

@@ -13,7 +13,7 @@ from .openai_protocol import ChatCompletionRequest, SamplingFields
 RENAMED = {"seed": "sampling_seed", "min_tokens": "min_new_tokens"}
 PASSED = ("temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p",
           "repetition_penalty", "stop_token_ids", "stop_regex", "ignore_eos", "skip_special_tokens", "no_stop_trim",
-          "regex", "ebnf", "json_schema", "seed", "min_tokens")
+          "regex", "ebnf", "json_schema", "allow_approximate_schema", "seed", "min_tokens")
 
 
 def engine_sampling(req: SamplingFields, max_new_tokens: int) -> dict[str, Any]:

@@ -54,6 +54,7 @@ class SamplingFields(Strict):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | dict[str, Any] | None = None
+    allow_approximate_schema: bool | None = None
     rid: str | None = None
 
 

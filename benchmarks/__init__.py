@@ -1,0 +1,1 @@
+"""Benchmarks, run as scripts (python benchmarks/NAME.py); importable for the pieces tests share."""

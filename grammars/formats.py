@@ -48,6 +48,22 @@ PROBES = {
     "relative-json-pointer": ("/a", "-1/a"),
     "json-pointer": ("a", "/~2"),
 }
+# The formats JSON Schema defines (draft 7 and 2020-12). Any other format is an annotation: the spec has validators
+# ignore it, and so does `jsonschema`, which checks finished outputs.
+SPEC_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6", "uri",
+    "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer",
+    "regex"})
+
+
+def without_annotation_formats(schema: Any) -> Any:
+    """A copy of the schema without the formats JSON Schema does not define ("phone", "byte", ...): they constrain
+    nothing, and a backend that does not know them would otherwise report, refuse or guess at them."""
+    result = copy.deepcopy(schema)
+    for node in schemas_in(result):
+        if isinstance(node.get("format"), str) and node["format"] not in SPEC_FORMATS:
+            del node["format"]
+    return result
 
 
 def with_exact_dates(schema: Any) -> Any:

@@ -64,6 +64,8 @@ def complement(negated: Any) -> dict | None:
         kind, opposite, shift = BOUNDS[keyword]
         bound = value + shift
         return None if shift and bound < 0 else {"type": kind, opposite: bound}
+    if keyword == "allOf" and isinstance(value, list) and value and all(_only_required(part) for part in value):
+        keyword, value = "required", [key for part in value for key in part["required"]]
     if keyword == "required" and isinstance(value, list) and value and all(isinstance(k, str) for k in value):
         lacks = [{"properties": {key: False}} for key in dict.fromkeys(value)]
         return {"type": "object", **(lacks[0] if len(lacks) == 1 else {"anyOf": lacks})}
@@ -103,6 +105,11 @@ def _intersect(existing: Any, allowed: str | list[str]) -> list[str]:
         return list(allowed)
     existing = [existing] if isinstance(existing, str) else existing
     return [name for name in existing if name in allowed or (name == "integer" and "number" in allowed)]
+
+
+def _only_required(schema: Any) -> bool:
+    return (isinstance(schema, dict) and set(schema) - ANNOTATIONS == {"required"}
+            and isinstance(schema["required"], list))
 
 
 def _is_number(value: Any) -> bool:

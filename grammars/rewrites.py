@@ -9,14 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 try:
+    from .dependencies import with_dependencies_spelled_out
     from .exclusive import disjoint_one_of
-    from .formats import with_exact_dates
+    from .formats import with_exact_dates, without_annotation_formats
     from .negation import without_negations
 except ImportError:  # run by path in the outlines compile child, with this folder on sys.path
+    from dependencies import with_dependencies_spelled_out
     from exclusive import disjoint_one_of
-    from formats import with_exact_dates
+    from formats import with_exact_dates, without_annotation_formats
     from negation import without_negations
 
 
 def equivalent_schema(schema: Any) -> Any:
-    return with_exact_dates(disjoint_one_of(without_negations(schema)))
+    schema = disjoint_one_of(without_negations(with_dependencies_spelled_out(schema)))
+    return with_exact_dates(without_annotation_formats(schema))

@@ -22,7 +22,7 @@ import torch
 import xgrammar as xgr
 
 from .base import Fidelity
-from .formats import format_departures
+from .formats import format_departures, with_exact_dates
 from .rewrites import equivalent_schema
 from .schema_keywords import UNKNOWN_FORMAT, ignored_keywords, regex_features, unanchored_patterns
 from .spec import ANY_JSON, GrammarSpec
@@ -169,8 +169,13 @@ class XGrammarBackend:
             if spec.spec == ANY_JSON:
                 return None, []
             schema = equivalent_schema(json.loads(spec.spec))
-            with native_warnings() as warnings:
-                grammar = json_schema_grammar(json.dumps(schema))
+            try:
+                with native_warnings() as warnings:
+                    grammar = json_schema_grammar(json.dumps(schema))
+            except RuntimeError:  # xgrammar refuses a property whose schema is `false`, which the rewrites make
+                schema = with_exact_dates(json.loads(spec.spec))
+                with native_warnings() as warnings:
+                    grammar = json_schema_grammar(json.dumps(schema))
             with native_warnings():  # the altered schemas' own warnings say nothing about this one
                 ignored = ignored_keywords(schema, schema_text)
                 formats = format_departures(schema, self._format_tester)

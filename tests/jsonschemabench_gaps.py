@@ -1,7 +1,7 @@
 # ruff: noqa: E501 - generated data: one schema per line
 """The schemas of jsonschemabench-dev where a grammar backend falls short, by name, with the outcome (before " -- ")
-and why (the grammar's approximations, or the compile error). Generated from a full sweep; the test compares the
-outcome only, so a gap that appears, disappears or changes kind fails it."""
+and why (the grammar's approximations, or the compile error). Written by jsonschemabench_regenerate.py from fresh
+sweeps; the test compares the outcome only, so a gap that appears, disappears or changes kind fails it."""
 
 from __future__ import annotations
 

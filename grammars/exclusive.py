@@ -17,14 +17,13 @@ import json
 from typing import Any
 
 try:
-    from .schema_keywords import schemas_in
+    from .schema_keywords import ANNOTATIONS, schemas_in
 except ImportError:  # run by path in the outlines compile child, with this folder on sys.path
-    from schema_keywords import schemas_in
+    from schema_keywords import ANNOTATIONS, schemas_in
 
 # JSON types as disjoint atoms: an integer is a number, so "number" is both of its atoms.
 ATOMS = {"null": {"null"}, "boolean": {"boolean"}, "object": {"object"}, "array": {"array"}, "string": {"string"},
          "integer": {"int"}, "number": {"int", "frac"}}
-ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly", "$id"}
 MAX_REF_HOPS = 16
 
 

@@ -12,15 +12,15 @@ Standard library only, with no package-relative imports: the outlines compile ch
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 try:
-    from .schema_keywords import schemas_in
+    from .schema_keywords import ANNOTATIONS, schemas_in
 except ImportError:  # run by path in the outlines compile child, with this folder on sys.path
-    from schema_keywords import schemas_in
+    from schema_keywords import ANNOTATIONS, schemas_in
 
 TYPES = ("null", "boolean", "object", "array", "number", "string")  # integer is a kind of number
-ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly", "$id"}
 # keyword -> (the type it applies to, the keyword that holds at the complement, how its value maps there)
 BOUNDS = {"maximum": ("number", "exclusiveMinimum", 0), "minimum": ("number", "exclusiveMaximum", 0),
           "exclusiveMaximum": ("number", "minimum", 0), "exclusiveMinimum": ("number", "maximum", 0),
@@ -113,7 +113,7 @@ def _only_required(schema: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _old_draft(root: dict) -> bool:

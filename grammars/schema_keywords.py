@@ -40,6 +40,9 @@ NO_OPS = {"minLength": (0,), "minItems": (0,), "minProperties": (0,), "uniqueIte
 # JSON Schema's own value for keywords a backend may default differently (closing objects, say).
 SPEC_DEFAULTS = {"additionalProperties": True, "additionalItems": True, "unevaluatedProperties": True,
                  "unevaluatedItems": True}
+# Keywords that only describe: a subschema made of these and nothing else constrains nothing.
+ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated", "readOnly",
+                         "writeOnly", "$id"})
 # Stands in for a format to learn how the backend treats a format it does not know.
 UNKNOWN_FORMAT = "furcate-unknown-format"
 

@@ -39,7 +39,12 @@ def normalize(kind: str, value: Any) -> str:
         if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a pydantic model class
             value = value.model_json_schema()
         if isinstance(value, dict):
-            return json.dumps(value)
+            try:
+                return json.dumps(value, allow_nan=False)
+            except RecursionError:
+                raise ValueError("json_schema is nested too deeply") from None
+            except ValueError:
+                raise ValueError("json_schema must not contain NaN or infinite numbers") from None
         if not isinstance(value, str):
             raise ValueError(f"json_schema must be a dict, a JSON string or a pydantic model, got {type(value)}")
         if value != ANY_JSON:
@@ -47,6 +52,8 @@ def normalize(kind: str, value: Any) -> str:
                 json.loads(value)
             except json.JSONDecodeError as error:
                 raise ValueError(f"json_schema is not valid JSON: {error}") from None
+            except RecursionError:
+                raise ValueError("json_schema is nested too deeply") from None
         return value
     if kind == "choices":
         if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):

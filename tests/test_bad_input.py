@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
 from furcate import EngineArgs
 
 GOOD = {"max_new_tokens": 4, "temperature": 0}
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"not": schema}
+    return schema
+
+
+DEEP_SCHEMA = nested(5000)
+DEEP_TEXT = '{"not": ' * 5000 + "{}" + "}" * 5000
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": "x", "sampling_params": {"json_schema": {"not": {"maximum": float("nan")}}}}, "NaN"),
+        ({"prompt": "x", "sampling_params": {"json_schema": DEEP_SCHEMA}}, "nested too deeply"),
+        ({"prompt": "x", "sampling_params": {"json_schema": json.dumps(nested(100)).replace("{}", DEEP_TEXT)}},
+         "nested too deeply"),
         ({"prompt": ["fine", ""]}, "prompt 1 is empty"),
         ({"input_ids": []}, "input_ids"),
         ({"input_ids": [1, 10**9]}, "outside the vocabulary"),

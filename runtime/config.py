@@ -12,7 +12,8 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native",)
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
+QUANTIZATIONS = ("auto", "none", "gguf")
+CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
            "attention_backend": ATTENTION_BACKENDS}
 
 
@@ -24,8 +25,14 @@ class EngineArgs:
     model_path: str = "default"
     # Where the tokenizer lives, when not beside the model.
     tokenizer_path: str | None = None
-    # Weights and KV cache precision; auto keeps the checkpoint's own.
+    # Weights and KV cache precision; auto: bfloat16 on CPUs with native bfloat16 (avx512_bf16, AMX) or for a
+    # bfloat16 checkpoint, float32 otherwise.
     dtype: str = "auto"
+    # Weight-only quantization of a model given as a GGUF file (including the default model): gguf runs its
+    # Q4_0/Q4_1/Q8_0 tensors on torch's int4/int8 CPU kernels (least memory); auto, where the CPU has native
+    # bfloat16, runs those kernels for batches of up to 8 rows and dense weights above (fastest); none
+    # dequantizes every weight to dtype.
+    quantization: str = "auto"
     # The torch device the model runs on.
     device: str = "cpu"
     # Longest prompt plus output per request; defaults to the model's own limit.
@@ -82,6 +89,8 @@ class EngineArgs:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:

@@ -65,6 +65,8 @@ class SchedulerReady:
     max_req_len: int
     context_length: int
     vocab_size: int
+    dtype: str = "float32"  # what dtype="auto" resolved to
+    quantized_layers: int = 0  # linear layers running on quantized kernels
 
 
 @dataclass

@@ -50,13 +50,13 @@ def assert_pool_free(engine: Engine) -> None:
 @pytest.fixture(scope="session")
 def default_engine():
     """The real default model, shared by every test that needs it (it takes ~15 s to start)."""
-    with Engine("default", max_total_tokens=4096, torch_num_threads=2) as engine:
+    with Engine("default", dtype="float32", quantization="none", max_total_tokens=4096, torch_num_threads=2) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
 def llama_engine(tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2) as engine:
+    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2) as engine:
         yield engine
 
 
@@ -64,7 +64,7 @@ def llama_engine(tiny_model_dirs):
 def tiny_server(tiny_model_dirs):
     """A live `furcate serve` on the tiny llama model, on a free loopback port (no API key)."""
     with ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS,
-                                                       "torch_num_threads": 2}) as server:
+                                                       "torch_num_threads": 2, "dtype": "float32"}) as server:
         yield server
 
 

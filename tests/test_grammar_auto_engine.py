@@ -27,7 +27,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 48}
 
 @pytest.fixture(scope="module")
 def auto_engine(tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=3000, torch_num_threads=2) as engine:
+    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=3000, torch_num_threads=2) as engine:
         yield engine
 
 
@@ -61,7 +61,7 @@ def test_inexact_schema_fails_alone_unless_approximation_is_allowed(auto_engine)
 
 
 def test_named_backend_serves_its_approximation(tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=2000, torch_num_threads=2,
+    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=2000, torch_num_threads=2,
                 grammar_backend="llguidance") as engine:
         assert isinstance(json.loads(engine.generate("Numbers:", {**GREEDY, "json_schema": UNIQUE})["text"]), list)
         person = engine.generate("A person:", {**GREEDY, "json_schema": PERSON})

@@ -140,7 +140,7 @@ def test_only_the_grammars_own_end_counts_as_complete():
 @pytest.fixture(scope="module")
 def xgrammar_engine(tiny_model_dirs):
     """xgrammar named explicitly: it serves schemas it only approximates (uniqueItems), which "auto" refuses."""
-    with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2,
+    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2,
                 grammar_backend="xgrammar") as engine:
         yield engine
 

@@ -179,7 +179,7 @@ def test_sglang_runtime_endpoint_requests(server):
 
 @pytest.fixture(scope="module")
 def guarded_server(tiny_model_dirs):
-    args = {"max_total_tokens": TINY_POOL_TOKENS, "torch_num_threads": 2, "max_running_requests": 1,
+    args = {"max_total_tokens": TINY_POOL_TOKENS, "torch_num_threads": 2, "dtype": "float32", "max_running_requests": 1,
             "max_queued_requests": 1}
     with ServerProcess(str(tiny_model_dirs["llama"]), args, api_key="s3cret") as server:
         yield server.url
@@ -249,7 +249,7 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny_model_dirs):
     server = ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS,
-                                                          "torch_num_threads": 2})
+                                                          "torch_num_threads": 2, "dtype": "float32"})
     scheduler = _children(server.process.pid)
     assert scheduler, "the server should run its scheduler in a child process"
     results: list = []

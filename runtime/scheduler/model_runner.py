@@ -11,6 +11,7 @@ from ..attention.torch_native import TorchNativeAttention
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..config import EngineArgs
 from ..model.loader import load_config, load_model, resolve_dtype
+from ..model.quantize import apply_quantization
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
@@ -44,6 +45,7 @@ class ModelRunner:
         self.config = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype, self.config)
         self.model = load_model(model_path, self.dtype, args.device)
+        self.quantized_layers = apply_quantization(self.model, args.quantization, model_path)
         self.context_length = args.context_length or self.config.max_position_embeddings
         attn = self.model.model.layers[0].self_attn
         self.max_total_tokens = args.max_total_tokens or self._tokens_from_memory(args, attn)

@@ -59,6 +59,8 @@ class Scheduler:
             max_req_len=self.max_req_len,
             context_length=self.runner.context_length,
             vocab_size=self.runner.vocab_size,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            quantized_layers=len(self.runner.quantized_layers),
         )
 
     @property

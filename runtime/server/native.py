@@ -126,6 +126,7 @@ async def get_server_info(request: web.Request) -> web.Response:
     settings.pop("api_key")  # never echo the secret
     return web.json_response({"version": __version__, **dataclasses.asdict(engine.args), **settings,
                               "model_path": engine.model_path, "max_total_num_tokens": engine.info.max_total_tokens,
+                              "resolved_dtype": engine.info.dtype, "quantized_layers": engine.info.quantized_layers,
                               "internal_states": [stats]})
 
 

@@ -1,0 +1,127 @@
+"""Weight-only quantized linear layers on torch's CPU kernels, built from a GGUF's blocks without a float detour.
+
+GGUF stores a row in blocks of 32 weights sharing a scale (and, for Q4_1, a minimum): w = q * scale + offset.
+Q4_0 and Q4_1 map exactly onto torch's int4 kernel with groups of 32, whose dequantization is
+(q - 8) * scale + zero, so zero = offset + 8 * scale. Q8_0's per-block scales have no int8 kernel in torch
+(`_weight_int8pack_mm` scales whole rows), so Q8_0 rows are requantized to one scale per row: a second rounding,
+measured by the quality figures in benchmarks/results/quantized.md. Scales and activations are bfloat16, the
+kernels' fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32
+# GGUF block layouts: (bytes per block, byte offset of the quants).
+_LAYOUTS = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}
+INT4_TYPES = ("Q4_0", "Q4_1")
+INT8_TYPES = ("Q8_0",)
+SUPPORTED_TYPES = INT4_TYPES + INT8_TYPES
+
+
+@dataclass
+class BlockWeights:
+    """A quantized [N, K] matrix as GGUF blocks: w[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32]."""
+
+    kind: str
+    q: np.ndarray  # [N, K] integers
+    scale: np.ndarray  # [N, K / 32] float32
+    offset: np.ndarray  # [N, K / 32] float32
+
+    def take_rows(self, order: np.ndarray) -> "BlockWeights":
+        return BlockWeights(self.kind, self.q[order], self.scale[order], self.offset[order])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.reshape(n, k // GROUP, GROUP) * self.scale[..., None] + self.offset[..., None]
+        return torch.from_numpy(w.reshape(n, k).astype(np.float32))
+
+
+def read_blocks(kind: str, data: np.ndarray, rows: int, cols: int) -> BlockWeights:
+    """Decode a GGUF tensor's raw bytes (uint8 [rows, bytes per row]) of a type in SUPPORTED_TYPES."""
+    block_bytes, quants_at = _LAYOUTS[kind]
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // GROUP, block_bytes)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    raw = blocks[..., quants_at:]
+    if kind == "Q8_0":
+        q = raw.copy().view(np.int8).astype(np.int32)
+        offset = np.zeros_like(scale)
+    else:
+        # The low nibbles hold a block's first 16 weights, the high nibbles its last 16.
+        q = np.concatenate([raw & 15, raw >> 4], axis=-1).astype(np.int32)
+        offset = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1"
+                  else -8.0 * scale)
+    return BlockWeights(kind, q.reshape(rows, cols), scale, offset)
+
+
+def stack_rows(parts: list[BlockWeights]) -> BlockWeights:
+    """Matrices of one kind stacked along the output dimension (a fused QKV or gate/up projection)."""
+    if len({p.kind for p in parts}) != 1:
+        raise ValueError(f"cannot fuse quantization types {[p.kind for p in parts]}")
+    return BlockWeights(parts[0].kind, *(np.concatenate([getattr(p, f) for p in parts])
+                                         for f in ("q", "scale", "offset")))
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ b) with W in groups of 32 int4 weights, on torch's CPU int4 kernel."""
+
+    def __init__(self, weights: BlockWeights, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weights.q.shape
+        scale = torch.from_numpy(weights.scale)
+        zero = torch.from_numpy(weights.offset) + 8 * scale
+        # [K / 32, N, 2]: the kernel's layout of per-group (scale, zero).
+        self.register_buffer("scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+                             .to(torch.bfloat16))
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(weights.q), 1))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b) with W as int8 rows, one scale per row, on torch's CPU int8 kernel."""
+
+    def __init__(self, weights: BlockWeights, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weights.q.shape
+        dense = weights.dequantize()
+        row_scale = dense.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.register_buffer("weight_int8", torch.round(dense / row_scale[:, None]).to(torch.int8))
+        self.register_buffer("row_scale", row_scale.to(torch.bfloat16))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, self.weight_int8, self.row_scale).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantized_linear(weights: BlockWeights, bias: torch.Tensor | None) -> nn.Module:
+    return Int4Linear(weights, bias) if weights.kind in INT4_TYPES else Int8Linear(weights, bias)
+
+
+class SmallBatchQuantized(nn.Module):
+    """The quantized kernel for up to `max_rows` rows, the dense layer above: torch's int4/int8 kernels beat a
+    bfloat16 matmul only for a handful of rows (on an avx512_bf16 core, int4 was 2.4x at 1 row, even at 8 and
+    1.7x slower at 24), so decode of small batches reads 4-bit weights while prefill and big batches stay dense."""
+
+    def __init__(self, quantized: nn.Module, dense: nn.Module, max_rows: int) -> None:
+        super().__init__()
+        self.quantized, self.dense, self.max_rows = quantized, dense, max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return self.quantized(x) if rows <= self.max_rows else self.dense(x)

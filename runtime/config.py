@@ -13,7 +13,8 @@ ATTENTION_BACKENDS = ("torch_native",)
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf")
-CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "schedule_policy": SCHEDULE_POLICIES, "grammar_backend": GRAMMAR_BACKENDS,
+CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "schedule_policy": SCHEDULE_POLICIES,
+           "grammar_backend": GRAMMAR_BACKENDS,
            "attention_backend": ATTENTION_BACKENDS}
 
 

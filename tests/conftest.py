@@ -16,6 +16,9 @@ from furcate.runtime.server.launch import ServerProcess
 from .tiny_models import CONFIGS, build_tiny_model
 
 ARCHS = sorted(CONFIGS)
+# Engine arguments of every test that compares with HF transformers in float32 (dtype auto would pick bfloat16
+# on CPUs with native bf16, and quantization auto the default model's int4 kernels).
+EXACT = {"dtype": "float32", "quantization": "none"}
 TINY_POOL_TOKENS = 6000
 
 
@@ -50,13 +53,14 @@ def assert_pool_free(engine: Engine) -> None:
 @pytest.fixture(scope="session")
 def default_engine():
     """The real default model, shared by every test that needs it (it takes ~15 s to start)."""
-    with Engine("default", dtype="float32", quantization="none", max_total_tokens=4096, torch_num_threads=2) as engine:
+    with Engine("default", **EXACT, max_total_tokens=4096, torch_num_threads=2) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
 def llama_engine(tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2) as engine:
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=TINY_POOL_TOKENS,
+                torch_num_threads=2) as engine:
         yield engine
 
 

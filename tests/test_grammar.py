@@ -16,7 +16,7 @@ from furcate.grammars.base import GrammarSpec, allocate_bitmask
 from furcate.grammars.cache import make_backend
 from furcate.runtime.scheduler.grammar_queue import percentile
 
-from .conftest import assert_pool_free
+from .conftest import EXACT, assert_pool_free
 
 PERSON = {
     "type": "object",
@@ -68,7 +68,7 @@ def test_length_bounded_strings_are_json_strings(tokenizer):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["overlap", "plain"])  # disable_overlap_schedule
 def grammar_engine(request, tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=4000, torch_num_threads=2,
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=4000, torch_num_threads=2,
                 disable_overlap_schedule=request.param) as engine:
         yield engine
 
@@ -115,7 +115,7 @@ def test_greedy_constrained_outputs_agree_across_loops(tiny_model_dirs, no_jump_
     params = {"temperature": 0.0, "max_new_tokens": 40, "json_schema": PERSON}
     outputs = []
     for plain in (False, True):
-        with Engine(str(tiny_model_dirs["qwen3"]), dtype="float32", quantization="none", max_total_tokens=2000, torch_num_threads=2,
+        with Engine(str(tiny_model_dirs["qwen3"]), **EXACT, max_total_tokens=2000, torch_num_threads=2,
                     disable_overlap_schedule=plain, disable_jump_forward=no_jump_forward) as engine:
             outputs.append([r["output_ids"] for r in engine.generate(prompts, params)])
     assert outputs[0] == outputs[1]
@@ -134,7 +134,7 @@ def test_bad_schema_fails_only_its_request(grammar_engine):
 
 @pytest.mark.parametrize("no_jump_forward", [False, True], ids=["jump-forward", "no-jump-forward"])
 def test_jump_forward_keeps_outputs_valid(tiny_model_dirs, no_jump_forward):
-    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=2000, torch_num_threads=2,
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=2000, torch_num_threads=2,
                 disable_jump_forward=no_jump_forward) as engine:
         results = engine.generate(["Person:"] * 3, [{**RANDOM, "json_schema": PERSON, "sampling_seed": s}
                                                     for s in range(3)])
@@ -154,7 +154,7 @@ def test_outlines_compile_limit_fails_only_slow_grammars(tiny_model_dirs):
         return await asyncio.gather(*(engine.async_generate("x", params) for params in [exploding] * 3 + [simple]),
                                     return_exceptions=True)
 
-    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=2000, torch_num_threads=2,
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=2000, torch_num_threads=2,
                 grammar_backend="outlines", grammar_compile_timeout=3) as engine:
         *slow, fine = asyncio.run(run(engine))
         assert all(isinstance(error, ValueError) and "within 3s" in str(error) for error in slow), slow

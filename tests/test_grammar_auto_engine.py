@@ -13,7 +13,7 @@ import pytest
 from furcate import Engine
 from furcate.runtime.config import EngineArgs
 
-from .conftest import assert_pool_free
+from .conftest import EXACT, assert_pool_free
 
 # Every value is bounded, so each output closes well within its token budget and is checked on every run.
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -27,7 +27,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 48}
 
 @pytest.fixture(scope="module")
 def auto_engine(tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=3000, torch_num_threads=2) as engine:
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=3000, torch_num_threads=2) as engine:
         yield engine
 
 
@@ -61,7 +61,7 @@ def test_inexact_schema_fails_alone_unless_approximation_is_allowed(auto_engine)
 
 
 def test_named_backend_serves_its_approximation(tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=2000, torch_num_threads=2,
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=2000, torch_num_threads=2,
                 grammar_backend="llguidance") as engine:
         assert isinstance(json.loads(engine.generate("Numbers:", {**GREEDY, "json_schema": UNIQUE})["text"]), list)
         person = engine.generate("A person:", {**GREEDY, "json_schema": PERSON})

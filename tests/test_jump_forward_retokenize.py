@@ -15,7 +15,7 @@ import pytest
 from furcate import Engine
 from furcate.runtime.scheduler.jump_forward import forced_tokens
 
-from .conftest import assert_pool_free
+from .conftest import EXACT, assert_pool_free
 
 
 def pieces(tokenizer, ids: list[int]) -> list[str]:
@@ -92,7 +92,7 @@ def cases(tokenizer) -> list[tuple[str, dict]]:
 @pytest.fixture(scope="module")
 def reference(cases) -> list[list[int]]:
     """What greedy constrained decoding gives without jump-forward."""
-    with Engine("default", dtype="float32", quantization="none", max_total_tokens=4096, torch_num_threads=2, disable_jump_forward=True) as engine:
+    with Engine("default", **EXACT, max_total_tokens=4096, torch_num_threads=2, disable_jump_forward=True) as engine:
         results = engine.generate([p for p, _ in cases], [params for _, params in cases])
         assert_pool_free(engine)
     return [r["output_ids"] for r in results]
@@ -100,7 +100,8 @@ def reference(cases) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def overlap_engine():
-    with Engine("default", dtype="float32", quantization="none", max_total_tokens=4096, torch_num_threads=2, disable_overlap_schedule=False) as engine:
+    with Engine("default", **EXACT, max_total_tokens=4096, torch_num_threads=2,
+                disable_overlap_schedule=False) as engine:
         yield engine
 
 

@@ -16,7 +16,7 @@ from furcate.runtime.model.gguf_names import hf_name, unpermute_rope
 from furcate.runtime.model.quantize import gguf_block_weights
 from furcate.runtime.model.quantized import (Int4Linear, Int8Linear, SmallBatchQuantized, read_blocks)
 
-from .conftest import assert_pool_free
+from .conftest import EXACT, assert_pool_free
 from .tiny_gguf import HEADS, KV_HEADS, QUANTIZED_LAYERS, build_tiny_gguf
 
 
@@ -112,7 +112,7 @@ def test_default_model_quantized_agrees_with_its_float32_self():
     prompts = ["What is the capital of France?", "List three uses of copper.", "Why is the sky blue?",
                "Write a haiku about winter."]
     common = {"max_total_tokens": 4096, "torch_num_threads": 2}
-    with Engine("default", dtype="float32", quantization="none", **common) as engine:
+    with Engine("default", **EXACT, **common) as engine:
         ids = [chat_ids(engine, p) for p in prompts]
         reference = greedy(engine, ids, 24)
         scores = reference_logprobs(engine, ids, reference)

@@ -15,7 +15,7 @@ from furcate.grammars.spec import ANY_JSON
 from furcate.runtime.request_state import cut_by
 from furcate.runtime.schema_check import SchemaChecker
 
-from .conftest import TINY_POOL_TOKENS, assert_pool_free
+from .conftest import EXACT, TINY_POOL_TOKENS, assert_pool_free
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
           "required": ["name", "age"]}
@@ -140,7 +140,7 @@ def test_only_the_grammars_own_end_counts_as_complete():
 @pytest.fixture(scope="module")
 def xgrammar_engine(tiny_model_dirs):
     """xgrammar named explicitly: it serves schemas it only approximates (uniqueItems), which "auto" refuses."""
-    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", quantization="none", max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2,
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2,
                 grammar_backend="xgrammar") as engine:
         yield engine
 

@@ -55,3 +55,64 @@ def test_greedy_rows_take_argmax_beside_random_rows():
     logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
     picked = sample(logits, [row(temperature=0.0), row(seed=5, temperature=1.0)])
     assert picked[0] == 1
+
+
+def _expected(probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """The filtered distribution, from the definitions (a reference independent of the batched code)."""
+    order = sorted(range(len(probs)), key=lambda i: (-float(probs[i]), i))
+    kept, mass = [], 0.0
+    for rank, i in enumerate(order):
+        if rank and ((top_k and rank >= top_k) or mass >= top_p or probs[i] < min_p * probs[order[0]]):
+            break
+        kept.append(i)
+        mass += float(probs[i])
+    out = torch.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+FILTERS = [{}, {"top_k": 3}, {"top_p": 0.6}, {"min_p": 0.3}, {"top_k": 2, "top_p": 0.9}, {"top_p": 0.999}]
+
+
+def test_batched_draws_follow_each_rows_filtered_distribution():
+    """Six rows with different filters share every batch; over 3000 seeds each row's frequencies match its own
+    distribution. The 1000-token vocabulary is not a multiple of the block size, and top_p=0.999 keeps more
+    tokens than the sampler's first head (so that row takes the full-sort path)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(FILTERS), 1000, generator=generator) * 0.5
+    logits[:, :5] += torch.tensor([4.0, 3.5, 3.0, 2.0, 1.0])
+    draws = torch.stack([sample(logits, [row(seed=s * 7 + r, **f) for r, f in enumerate(FILTERS)])
+                         for s in range(3000)])
+    for r, filters in enumerate(FILTERS):
+        expected = _expected(torch.softmax(logits[r], -1), **filters)
+        freq = torch.bincount(draws[:, r], minlength=1000).float() / len(draws)
+        # The five boosted tokens one by one, the long tail as one bin (995 bins of 3 draws would be noise).
+        binned = lambda p: torch.cat([p[:5], p[5:].sum(0, keepdim=True)])  # noqa: E731
+        assert (binned(freq) - binned(expected)).abs().max() < 0.03, (filters, binned(freq), binned(expected))
+        assert expected[draws[:, r]].min() > 0, "a filtered-out token was drawn"
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch():
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(1))
+    for seed in range(40):
+        for filters in FILTERS:
+            alone = int(sample(logits, [row(seed=seed, **filters)])[0])
+            neighbours = [row(seed=99, top_k=400), row(seed=98), row(temperature=0.0)]
+            batch = torch.cat([logits.repeat(3, 1), logits])
+            assert int(sample(batch, [*neighbours, row(seed=seed, **filters)])[3]) == alone
+
+
+def test_masked_tokens_are_never_drawn():
+    logits = torch.full((2, 3000), float("-inf"))
+    allowed = torch.tensor([7, 700, 2999])
+    logits[:, allowed] = torch.tensor([0.0, -1.0, -2.0])
+    for seed in range(300):
+        picked = sample(logits, [row(seed=seed), row(seed=seed, top_p=0.95, top_k=50)])
+        assert set(picked.tolist()) <= set(allowed.tolist())
+
+
+def test_top_k_one_and_greedy_rows_take_the_argmax():
+    logits = torch.randn(4, 700, generator=torch.Generator().manual_seed(2))
+    picked = sample(logits, [row(temperature=0.0), row(seed=3, top_k=1), row(seed=4, top_k=1, top_p=0.5),
+                             row(temperature=0.0)])
+    assert picked.tolist() == logits.argmax(-1).tolist()

@@ -13,6 +13,7 @@ import torch
 
 from ..attention.base import ForwardBatch
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from .launch import FutureTokens
 from .req import Req
 
 
@@ -45,7 +46,7 @@ class ScheduleBatch:
     slices: list[ReqSlice]
     forward: ForwardBatch
     logit_ranges: list[range]  # per slice, rows of the packed tokens whose logits are computed
-    # Overlap loop: where each sampling slice's token goes in the future buffer, for the next batch to read.
+    # Where each sampling slice's token goes in the future buffer, for a batch launched before it (launch.py).
     future_slots: list[int] = field(default_factory=list)
 
     @property
@@ -70,7 +71,7 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
         end = piece.start + piece.length
         tokens = req.fill_ids[piece.start : end]
         if len(tokens) < piece.length:  # the last token is still being sampled: read it from the future buffer
-            tokens.append(-(req.future_slot + 1))
+            tokens.append(FutureTokens.placeholder(req))
         input_ids.extend(tokens)
         req_pool.req_to_token[req.req_pool_idx, piece.start : end] = slots[offset : offset + piece.length]
         rows = piece.logit_rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -15,9 +16,9 @@ from ..model.quantize import apply_quantization
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
+from .launch import FutureTokens
 
 ATTENTION_BACKENDS = {"torch_native": TorchNativeAttention}
-FUTURE_SLOTS = 1 << 16
 
 
 @dataclass
@@ -58,8 +59,7 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
         self.forward_calls = 0
-        # Sampled token ids the next batch may read before the scheduler has seen them (overlap loop).
-        self.future_tokens = torch.zeros(FUTURE_SLOTS, dtype=torch.long)
+        self.future_tokens = FutureTokens(args.device)
 
     def _tokens_from_memory(self, args: EngineArgs, attn) -> int:
         per_token = TokenToKVPool.bytes_per_token(
@@ -70,17 +70,20 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduleBatch) -> None:
         """Everything of a forward that reads scheduler state; runs on the scheduler thread."""
+        self.future_tokens.reserve(batch)
         self.attn_backend.init_forward_metadata(batch.forward)
+
+    def run_batch(self, batch: ScheduleBatch, sampling_inputs: Future) -> StepResult:
+        """Forward, then sample once the scheduler has given the sampling inputs (grammar masks)."""
+        logits = self.forward(batch)
+        return self.sample(batch, logits, sampling_inputs.result())
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
         """Logits of the rows the batch asks for. Token ids still to be sampled (negative placeholders from
         the overlap loop) are read from the future buffer the previous batch's sampling wrote."""
         started = time.perf_counter()
         forward = batch.forward
-        placeholders = forward.input_ids < 0
-        if bool(placeholders.any()):
-            resolved = self.future_tokens[(-forward.input_ids[placeholders] - 1)]
-            forward.input_ids = forward.input_ids.masked_scatter(placeholders, resolved)
+        forward.input_ids = self.future_tokens.resolve(forward.input_ids)
         hidden = self.model(forward, self.attn_backend)
         rows = torch.tensor([i for r in batch.logit_ranges for i in r], dtype=torch.long)
         logits = self.model.compute_logits(hidden[rows])
@@ -96,8 +99,7 @@ class ModelRunner:
             next_logits = torch.stack([per_slice[b][-1] for b in sampling])
             next_ids = sample(next_logits, inputs.rows, inputs.bitmask, inputs.constrained)
             result.next_ids = dict(zip(sampling, next_ids.tolist()))
-            if batch.future_slots:
-                self.future_tokens[torch.tensor(batch.future_slots)] = next_ids
+            self.future_tokens.publish(batch, next_ids)
         for b, piece in enumerate(batch.slices):
             if piece.req.return_logprob and len(per_slice[b]):
                 self._add_logprobs(result, b, piece, per_slice[b])

@@ -1,6 +1,7 @@
 """The scheduler process: receives tokenized requests, batches them, runs the model, streams results back.
 
-The loop is three calls: take new messages, build and run the next batch, send what it produced.
+The loop is three calls: take new messages, step (build, launch and complete batches), send what it produced.
+Both loops share step(); launch.py holds what differs (where a batch runs) and the overlap loop's state.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
 from .jump_forward import forced_tokens
 from .memory import MemoryManager
+from .launch import FutureTokens, InlineLauncher, Launched, WorkerLauncher, abandon
 from .model_runner import ModelRunner, SamplingInputs, StepResult
-from .overlap import OverlapLoop
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
 from .req import Req
@@ -78,16 +79,58 @@ class Scheduler:
         if self.args.disable_overlap_schedule:
             self.plain_loop()
         else:
-            OverlapLoop(self).run()
+            self.overlap_loop()
 
     def plain_loop(self) -> None:
+        """Each batch is completed in the round that launched it."""
+        self.launcher = InlineLauncher(self.runner.run_batch)
         while self.receive_messages(block=not self.has_work):
-            batch = self.next_batch()
-            if batch is not None:
-                self.runner.prepare(batch)
-                logits = self.runner.forward(batch)
-                self.process_result(batch, self.runner.sample(batch, logits, self.sampling_inputs(batch)))
+            launched = self.step(None)
+            if launched is not None:
+                self.complete(launched, None)
             self.send_outputs()
+
+    def overlap_loop(self) -> None:
+        """Batch N runs on a worker while this thread completes N-1 and schedules N+1 (launch.py)."""
+        self.launcher = WorkerLauncher(self.runner.run_batch)
+        in_flight: Launched | None = None
+        try:
+            while self.receive_messages(block=in_flight is None and not self.has_work):
+                in_flight = self.step(in_flight)
+                self.send_outputs()
+        finally:
+            if in_flight is not None:
+                abandon(in_flight)
+            self.launcher.close()
+
+    def step(self, in_flight: Launched | None) -> Launched | None:
+        """One round of either loop: schedule and launch the next batch, complete the batch in flight (overlap
+        loop), then hand the new batch its sampling inputs, whose grammar masks need the previous batch's
+        tokens accepted first. Returns the batch launched and not yet completed."""
+        if in_flight is not None and self.memory.room() < len(self.running):
+            # Retraction must see every sampled token: finish the in-flight batch first.
+            self.complete(in_flight, None)
+            in_flight = None
+        batch = self.next_batch()
+        launched = None
+        if batch is not None:
+            self.runner.prepare(batch)
+            launched = self.launcher.launch(batch)
+        if in_flight is not None:
+            try:
+                self.complete(in_flight, launched)
+            except BaseException:
+                if launched is not None:  # or its runner waits for sampling inputs forever
+                    abandon(launched)
+                raise
+        if launched is not None:
+            launched.sampling_inputs.set_result(self.sampling_inputs(launched.batch))
+        return launched
+
+    def complete(self, launched: Launched, next_launched: Launched | None) -> None:
+        result = launched.result.result()
+        in_flight = {id(p.req) for p in next_launched.batch.slices} if next_launched is not None else set()
+        self.process_result(launched.batch, result, in_flight)
 
     def receive_messages(self, block: bool) -> bool:
         """Handle everything the engine sent; False once it asked to shut down."""
@@ -264,12 +307,7 @@ class Scheduler:
                 req.input_top_values.extend(result.input_top.get(b, []))
             if not piece.samples:  # a chunk of a long prompt; the next one follows next step
                 continue
-            if req.future_slot is not None and req.future_slot == next(slots, None):
-                req.future_slot = None  # the token is here now
-            elif req.future_slot is None:
-                next(slots, None)
-            if req.finished or req.discard_next:  # finished or redirected while this batch ran
-                req.discard_next = False
+            if not FutureTokens.settle(req, slots) or req.finished:  # redirected or finished while this batch ran
                 continue
             if id(req) not in running:
                 self.finish_prefill(req)
@@ -278,7 +316,7 @@ class Scheduler:
             self.take_token(req, result.next_ids[b], result.output_logprobs.get(b), result.output_top.get(b))
             jumped = not req.finished and not self.args.disable_jump_forward and self.jump_forward(req)
             if jumped and id(req) in in_flight:
-                req.discard_next, req.future_slot = True, None
+                FutureTokens.redirect(req)
             if req.finished:
                 self.memory.release(req)
                 self.finish(req, req.finish_reason)

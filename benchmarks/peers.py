@@ -187,7 +187,8 @@ def prepare_ggufs() -> dict[str, str]:
     BENCH_CACHE.mkdir(parents=True, exist_ok=True)
     paths = {"Q4_1": str(source)}
     for precision in ("F32", "BF16"):
-        paths[precision] = str(write_gguf_copy(source, BENCH_CACHE / f"{source.stem}.{precision}.gguf", precision))
+        name = f"{source.stem.removesuffix('.Q4_1')}.{precision}.gguf"
+        paths[precision] = str(write_gguf_copy(source, BENCH_CACHE / name, precision))
     return paths
 
 

@@ -1,6 +1,8 @@
 """Attention over the paged KV pool with torch's scaled_dot_product_attention.
 
-Requests are bucketed by length (padding a short request to the longest one's length wastes gather and
+Requests whose cached prefixes share their first KV slots (program branches, one system prompt) form a bucket
+per shared prefix, which cascade attention reads once for all of them (cascade.py); the others are bucketed by
+length (padding a short request to the longest one's length wastes gather and
 attention work); in each bucket, KV slots are gathered into a padded [B, max_kv_len] block and new queries into
 a padded [B, max_new_len] block, with one boolean mask for causality (with cached prefixes), padding and sliding
 windows. Queries are grouped under their KV head (GQA without repeating K/V): the G query heads of a group are
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import ForwardBatch
-from .cascade import attend_with_lse, merge, shared_prefix_len
+from .cascade import MIN_SHARED_TOKENS, attend_with_lse, merge, shared_prefix_len
 
 MAX_BUCKETS = 4
 # Each extra bucket costs a few kernel launches per layer; it must save more than this share of padded work.
@@ -53,6 +55,32 @@ class Bucket:
         return self.masks[key]
 
 
+def prefix_groups(batch: ForwardBatch) -> list[list[int]]:
+    """Requests (two or more) whose cached prefixes start with the same MIN_SHARED_TOKENS KV slots: each group
+    becomes its own bucket, where cascade attention reads the shared slots once for all its queries."""
+    candidates = (batch.prefix_lens >= MIN_SHARED_TOKENS).nonzero().flatten()
+    if len(candidates) < 2:
+        return []
+    heads = batch.req_to_token_pool.req_to_token[batch.req_pool_indices[candidates], :MIN_SHARED_TOKENS]
+    _, group_of = torch.unique(heads, dim=0, return_inverse=True)
+    groups: dict[int, list[int]] = {}
+    for request, group in zip(candidates.tolist(), group_of.tolist()):
+        groups.setdefault(group, []).append(request)
+    return [members for members in groups.values() if len(members) > 1]
+
+
+def plan_all_buckets(batch: ForwardBatch) -> list[list[int]]:
+    """Prefix-sharing groups first (one bucket each), the other requests bucketed by length."""
+    seq_lens, extend_lens = batch.seq_lens.tolist(), batch.extend_lens.tolist()
+    sharing = prefix_groups(batch)
+    grouped = {i for members in sharing for i in members}
+    rest = [i for i in range(len(seq_lens)) if i not in grouped]
+    if not rest:
+        return sharing
+    planned = plan_buckets([seq_lens[i] for i in rest], [extend_lens[i] for i in rest])
+    return sharing + [[rest[j] for j in bucket] for bucket in planned]
+
+
 def plan_buckets(seq_lens: list[int], extend_lens: list[int]) -> list[list[int]]:
     """Split requests, ranked by length, into the number of equal-count buckets that minimizes padded work."""
     order = sorted(range(len(seq_lens)), key=lambda i: (seq_lens[i], extend_lens[i]))
@@ -78,7 +106,7 @@ class TorchNativeAttention:
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
-        groups = plan_buckets(batch.seq_lens.tolist(), batch.extend_lens.tolist())
+        groups = plan_all_buckets(batch)
         batch.attn_metadata = [self._bucket(batch, torch.tensor(g), starts) for g in groups]
 
     def begin_forward(self, batch: ForwardBatch) -> None:

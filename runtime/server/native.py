@@ -11,6 +11,7 @@ from ... import __version__
 from ..engine import Engine
 from .errors import ApiError, check_fields, read_json_object
 from .keys import ENGINE, METRICS, SETTINGS
+from .router_fields import strip_router_fields
 from .sse import open_stream, send_done, send_event
 
 GENERATE_FIELDS = frozenset({
@@ -27,6 +28,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/server_info", get_server_info)
     app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/get_load", get_load)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/tokenize", tokenize)
@@ -39,7 +41,7 @@ def _engine(request: web.Request) -> Engine:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    body = await read_json_object(request)
+    body = strip_router_fields(await read_json_object(request))
     check_fields(body, GENERATE_FIELDS)
     if body.get("image_data") is not None:
         raise ApiError(400, "image_data is not supported: the served model has no vision encoder")
@@ -128,6 +130,15 @@ async def get_server_info(request: web.Request) -> web.Response:
                               "model_path": engine.model_path, "max_total_num_tokens": engine.info.max_total_tokens,
                               "resolved_dtype": engine.info.dtype, "quantized_layers": engine.info.quantized_layers,
                               "internal_states": [stats]})
+
+
+async def get_load(request: web.Request) -> web.Response:
+    """SGLang's load report, one entry per data-parallel rank (one here); sglang-router's power_of_two policy
+    sums num_tokens. num_tokens: KV slots held by requests (cached but unused prefixes excluded)."""
+    stats = await asyncio.to_thread(_engine(request).get_stats)
+    in_use = stats["max_total_tokens"] - stats["kv_available"] - stats["evictable_tokens"]
+    return web.json_response([{"dp_rank": 0, "num_reqs": stats["running"] + stats["waiting"],
+                               "num_waiting_reqs": stats["waiting"], "num_tokens": in_use}])
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -13,11 +13,14 @@ from aiohttp import web
 from ..engine import Engine
 from . import openai_format as fmt
 from .errors import ApiError, read_json_object
+from .router_fields import strip_router_fields
 from .keys import ENGINE, SETTINGS
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from .sse import open_stream, send_done, send_event
 
 STARTED = int(time.time())
+# Router-added fields these routes parse themselves (an unknown model is a 404 here).
+OPENAI_OWN = frozenset({"model"})
 
 
 def add_routes(app: web.Application) -> None:
@@ -65,7 +68,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    req: CompletionRequest = parse(CompletionRequest, await read_json_object(request))
+    req: CompletionRequest = parse(CompletionRequest, strip_router_fields(await read_json_object(request), OPENAI_OWN))
     engine = request.app[ENGINE]
     prompt_ids = _completion_prompts(engine, req.prompt)
     echo = [engine.tokenizer.decode(ids) for ids in prompt_ids] if req.echo else []
@@ -75,7 +78,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json_object(request))
+    body = strip_router_fields(await read_json_object(request), OPENAI_OWN)
+    req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
     if req.tools:
         raise ApiError(400, "tools are not supported by this server (tool calls are not implemented)")
     engine = request.app[ENGINE]

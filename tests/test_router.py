@@ -1,0 +1,111 @@
+"""Two furcate servers behind a real sglang-router (cache-aware policy) on loopback: the router's rewritten
+requests are served, outputs equal a single server's, and fan-out routes reach both workers."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from furcate.runtime.server.launch import ServerProcess
+
+from .conftest import EXACT, TINY_POOL_TOKENS, assert_server_pool_free
+
+pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install -e '.[dev]')")
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dirs):
+    servers = [ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS,
+                                                             "torch_num_threads": 1, **EXACT}) for _ in range(2)]
+    yield [s.url for s in servers]
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(workers):
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *workers,
+                                "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, "sglang-router did not start"
+        time.sleep(0.2)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_generate_through_the_router_equals_a_single_server(router, tiny_server):
+    # sglang-router 0.3.2 types /generate's text as one string (a list is its own 422), so one prompt per request.
+    for prompt in ["The capital of France is", "One two three", "def f(x):"]:
+        body = {"text": prompt, "sampling_params": GREEDY}
+        direct = requests.post(f"{tiny_server.url}/generate", json=body, timeout=60).json()
+        routed = requests.post(f"{router}/generate", json=body, timeout=60)
+        assert routed.status_code == 200, routed.text
+        assert routed.json()["output_ids"] == direct["output_ids"]
+
+
+def test_openai_routes_through_the_router(router, tiny_server):
+    from openai import OpenAI
+
+    served = requests.get(f"{tiny_server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    results = []
+    for base in (router, tiny_server.url):
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        completion = client.completions.create(model=served, prompt="Once upon a time", max_tokens=6, temperature=0)
+        chat = client.chat.completions.create(model=served, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=6, temperature=0)
+        results.append((completion.choices[0].text, chat.choices[0].message.content))
+    assert results[0] == results[1]
+
+
+def test_flush_cache_through_the_router_reaches_every_worker(router, workers):
+    requests.post(f"{router}/generate", json={"text": "shared words " * 20, "sampling_params": GREEDY},
+                  timeout=60).raise_for_status()
+    assert requests.post(f"{router}/flush_cache", timeout=60).status_code == 200
+    for url in workers:
+        stats = requests.get(f"{url}/get_server_info", timeout=30).json()["internal_states"][0]
+        assert stats["kv_available"] == stats["max_total_tokens"], stats
+        assert_server_pool_free(url)
+
+
+def test_workers_report_load_and_refuse_features_they_lack(workers):
+    load = requests.get(f"{workers[0]}/get_load", timeout=30).json()
+    assert isinstance(load, list) and {"num_tokens", "num_reqs", "num_waiting_reqs"} <= set(load[0])
+    body = {"text": "hi", "sampling_params": GREEDY, "log_metrics": True, "return_hidden_states": True}
+    refused = requests.post(f"{workers[0]}/generate", json=body, timeout=30)
+    assert refused.status_code == 400 and "return_hidden_states" in refused.json()["error"]["message"]
+    body["return_hidden_states"] = False
+    assert requests.post(f"{workers[0]}/generate", json=body, timeout=30).status_code == 200
+
+
+def test_chat_route_takes_the_routers_added_fields(workers):
+    served = requests.get(f"{workers[0]}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": served, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4,
+            "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+            "continue_final_message": False}
+    assert requests.post(f"{workers[0]}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    refused = requests.post(f"{workers[0]}/v1/chat/completions", json={**body, "continue_final_message": True},
+                            timeout=60)
+    assert refused.status_code == 400 and "continue_final_message" in refused.json()["error"]["message"]

@@ -13,8 +13,9 @@ ATTENTION_BACKENDS = ("torch_native",)
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "schedule_policy": SCHEDULE_POLICIES,
-           "grammar_backend": GRAMMAR_BACKENDS,
+           "grammar_backend": GRAMMAR_BACKENDS, "router_policy": ROUTER_POLICIES,
            "attention_backend": ATTENTION_BACKENDS}
 
 
@@ -144,6 +145,10 @@ class ServerArgs:
     max_request_bytes: int = 16 * 1024 * 1024
     # Seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted.
     graceful_shutdown_timeout: float = 10.0
+    # Data parallelism: this many servers on free loopback ports behind one sglang-router listening on host:port.
+    dp_size: int = 1
+    # The router's policy when dp_size > 1.
+    router_policy: str = "cache_aware"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -152,6 +157,13 @@ class ServerArgs:
             raise ValueError("api_key must not be empty")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.api_key is not None:
+            # sglang-router's --api-key authenticates it to workers; checking clients' keys is not wired up yet.
+            raise ValueError("api_key with dp_size > 1 is not supported yet")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
         if not 0 <= self.graceful_shutdown_timeout < float("inf"):
             raise ValueError(f"graceful_shutdown_timeout must be a finite number >= 0, got "
                              f"{self.graceful_shutdown_timeout}")

@@ -4,6 +4,7 @@ requests are served, outputs equal a single server's, and fan-out routes reach b
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 import subprocess
 import sys
 import time
@@ -109,3 +110,47 @@ def test_chat_route_takes_the_routers_added_fields(workers):
     refused = requests.post(f"{workers[0]}/v1/chat/completions", json={**body, "continue_final_message": True},
                             timeout=60)
     assert refused.status_code == 400 and "continue_final_message" in refused.json()["error"]["message"]
+
+
+def _descendants(pid: int) -> set[int]:
+
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_serve_dp_size_two_routes_shared_prefixes_to_one_worker_and_stops_everything(tiny_model_dirs, tiny_server):
+    import concurrent.futures
+
+    server = ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS, **EXACT},
+                           extra_args=("--dp-size", "2"))
+    try:
+        family = _descendants(server.process.pid)
+        # Two workers with a scheduler each, and the router.
+        assert len(family) >= 5, family
+        body = {"text": "The capital of France is", "sampling_params": GREEDY}
+        direct = requests.post(f"{tiny_server.url}/generate", json=body, timeout=60).json()
+        assert requests.post(f"{server.url}/generate", json=body, timeout=60).json()["output_ids"] == \
+            direct["output_ids"]
+        prefix = "a long shared preamble about rivers and stones " * 8
+        first = requests.post(f"{server.url}/generate", json={"text": prefix + "first", "sampling_params": GREEDY},
+                              timeout=60).json()
+        assert first["meta_info"]["cached_tokens"] == 0
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda i: requests.post(
+                f"{server.url}/generate", json={"text": prefix + f"question {i}", "sampling_params": GREEDY},
+                timeout=60).json(), range(4)))
+        # Cache-aware routing sends every request sharing the preamble to the worker that cached it.
+        assert all(o["meta_info"]["cached_tokens"] >= first["meta_info"]["prompt_tokens"] - 2 for o in outs), outs
+    finally:
+        assert server.stop() == 0
+    still = [pid for pid in family if Path(f"/proc/{pid}").exists()]
+    assert not still, f"processes left behind: {still}"

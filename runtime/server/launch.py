@@ -22,9 +22,14 @@ READY_PREFIX = "furcate server ready at "
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, then finish (or abort) in-flight requests and exit 0."""
+    """Load the engine, serve until SIGINT/SIGTERM, then finish (or abort) in-flight requests and exit 0.
+    With dp_size > 1: replicas behind sglang-router (data_parallel.py)."""
     from ..engine import Engine
 
+    if server_args.dp_size > 1:
+        from .data_parallel import serve_data_parallel
+
+        return serve_data_parallel(engine_args, server_args)
     engine = Engine(**dataclasses.asdict(engine_args))
     try:
         asyncio.run(_serve(engine, server_args))

@@ -1,0 +1,83 @@
+"""`furcate serve --dp-size N`: N furcate servers on free loopback ports behind one sglang-router, which
+listens where a single server would. The router does the routing (cache-aware by default: it keeps its own
+approximate radix tree of request text per worker, so requests sharing a prefix go where it is cached).
+Everything starts from one command and stops together on SIGINT/SIGTERM, or when any part dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import requests
+
+from ..config import EngineArgs, ServerArgs
+from .launch import READY_PREFIX, ServerProcess, _url_host
+
+ROUTER_STARTUP_S = 60.0
+
+
+def serve_data_parallel(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    workers: list[ServerProcess] = []
+    router: subprocess.Popen | None = None
+    try:
+        for _ in range(server_args.dp_size):
+            workers.append(_start_worker(engine_args, server_args))
+        port = server_args.port or _free_port(server_args.host)
+        url = f"http://{_url_host(server_args.host)}:{port}"
+        command = [sys.executable, "-m", "sglang_router.launch_router", "--host", server_args.host, "--port",
+                   str(port), "--policy", server_args.router_policy, "--worker-urls", *(w.url for w in workers),
+                   "--log-level", "warn"]
+        router = subprocess.Popen(command)
+        _wait_healthy(url, router)
+        print(f"{READY_PREFIX}{url}", flush=True)
+        while not stop.wait(0.5):
+            if router.poll() is not None or any(w.process.poll() is not None for w in workers):
+                print("furcate: a data-parallel worker or the router exited; stopping all", flush=True)
+                return 1
+        print("furcate server shutting down", flush=True)
+        return 0
+    finally:
+        if router is not None and router.poll() is None:
+            router.terminate()
+            router.wait(timeout=30)
+        for worker in workers:
+            worker.stop()
+
+
+def _start_worker(engine_args: EngineArgs, server_args: ServerArgs) -> ServerProcess:
+    """One replica on a free loopback port; the cores are shared out between replicas unless set."""
+    args = {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model_path"}
+    args["torch_num_threads"] = engine_args.torch_num_threads or max(1, engine_args.num_threads // server_args.dp_size)
+    extra = ["--graceful-shutdown-timeout", str(server_args.graceful_shutdown_timeout)]
+    if server_args.served_model_name:
+        extra += ["--served-model-name", server_args.served_model_name]
+    return ServerProcess(engine_args.model_path, args, host="127.0.0.1", port=0, extra_args=tuple(extra))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(url: str, router: subprocess.Popen) -> None:
+    deadline = time.monotonic() + ROUTER_STARTUP_S
+    while time.monotonic() < deadline:
+        if router.poll() is not None:
+            raise RuntimeError(f"sglang-router exited with code {router.returncode} during start-up")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"sglang-router did not answer /health within {ROUTER_STARTUP_S:.0f}s")

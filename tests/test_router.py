@@ -41,7 +41,8 @@ def router(workers):
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                 "--port", str(port), "--policy", "cache_aware", "--worker-urls", *workers,
-                                "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "--log-level", "warn", "--prometheus-port", str(_free_port())],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:

@@ -35,7 +35,9 @@ def serve_data_parallel(engine_args: EngineArgs, server_args: ServerArgs) -> int
         url = f"http://{_url_host(server_args.host)}:{port}"
         command = [sys.executable, "-m", "sglang_router.launch_router", "--host", server_args.host, "--port",
                    str(port), "--policy", server_args.router_policy, "--worker-urls", *(w.url for w in workers),
-                   "--log-level", "warn"]
+                   "--log-level", "warn",
+                   # Its Prometheus exporter binds 29000 unless told otherwise; two routers must not collide.
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port("127.0.0.1"))]
         router = subprocess.Popen(command)
         _wait_healthy(url, router)
         print(f"{READY_PREFIX}{url}", flush=True)

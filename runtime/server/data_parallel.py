@@ -7,6 +7,7 @@ Everything starts from one command and stops together on SIGINT/SIGTERM, or when
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import signal
 import socket
 import subprocess
@@ -23,6 +24,8 @@ ROUTER_STARTUP_S = 60.0
 
 
 def serve_data_parallel(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    if importlib.util.find_spec("sglang_router") is None:
+        raise RuntimeError("--dp-size needs sglang-router: pip install 'furcate[scale]' (sglang-router==0.3.2)")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

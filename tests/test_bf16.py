@@ -35,8 +35,7 @@ def test_auto_dtype_follows_the_cpu(monkeypatch, native, config_dtype, expected)
     assert loader.resolve_dtype("float32", config) == torch.float32
 
 
-def _hf_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
@@ -50,10 +49,10 @@ def _engine_prompt_logprobs(engine: Engine, ids: list[int]) -> list[float]:
 
 def _compare(engine: Engine, model_dir, ids: list[int], new_tokens: int) -> tuple[float, float]:
     """(largest logprob difference over the prompt, greedy agreement share) against HF bfloat16."""
-    reference = _hf_logprobs(model_dir, ids)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    reference = _hf_logprobs(model, ids)
     expected = torch.tensor([reference[i - 1, ids[i]].item() for i in range(1, len(ids))])
     got = torch.tensor(_engine_prompt_logprobs(engine, ids))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     with torch.inference_mode():
         prompt = torch.tensor([ids])
         hf = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,

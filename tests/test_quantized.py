@@ -16,7 +16,7 @@ from furcate.runtime.model.gguf_names import hf_name, unpermute_rope
 from furcate.runtime.model.quantize import gguf_block_weights
 from furcate.runtime.model.quantized import (Int4Linear, Int8Linear, SmallBatchQuantized, read_blocks)
 
-from .conftest import EXACT, assert_pool_free
+from .conftest import assert_pool_free
 from .tiny_gguf import HEADS, KV_HEADS, QUANTIZED_LAYERS, build_tiny_gguf
 
 
@@ -106,17 +106,17 @@ def test_quantization_gguf_refuses_a_plain_model_directory(tiny_model_dirs):
         Engine(str(tiny_model_dirs["llama"]), quantization="gguf", max_total_tokens=500, torch_num_threads=1)
 
 
-def test_default_model_quantized_agrees_with_its_float32_self():
+def test_default_model_quantized_agrees_with_its_float32_self(default_engine):
     """The default model's Q4_1 layers and Q8_0 head on the int4/int8 kernels: greedy agreement and teacher-
     forced logprobs against float32 (precision_quality.py measures the same on more prompts)."""
     prompts = ["What is the capital of France?", "List three uses of copper.", "Why is the sky blue?",
                "Write a haiku about winter."]
-    common = {"max_total_tokens": 4096, "torch_num_threads": 2}
-    with Engine("default", **EXACT, **common) as engine:
-        ids = [chat_ids(engine, p) for p in prompts]
-        reference = greedy(engine, ids, 24)
-        scores = reference_logprobs(engine, ids, reference)
-    with Engine("default", dtype="bfloat16", quantization="gguf", **common) as engine:
+    ids = [chat_ids(default_engine, p) for p in prompts]  # the shared float32 engine is the reference
+    reference = greedy(default_engine, ids, 24)
+    scores = reference_logprobs(default_engine, ids, reference)
+    assert_pool_free(default_engine)
+    with Engine("default", dtype="bfloat16", quantization="gguf", max_total_tokens=4096,
+                torch_num_threads=2) as engine:
         assert engine.info.quantized_layers == 30 * 4 + 1
         quality = measure(engine, ids, reference, scores)
         assert_pool_free(engine)

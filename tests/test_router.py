@@ -155,3 +155,23 @@ def test_serve_dp_size_two_routes_shared_prefixes_to_one_worker_and_stops_everyt
         assert server.stop() == 0
     still = [pid for pid in family if Path(f"/proc/{pid}").exists()]
     assert not still, f"processes left behind: {still}"
+
+
+def test_runtime_with_dp_size_runs_programs_across_replicas(tiny_model_dirs, tiny_server):
+    import furcate as sgl
+
+    @sgl.function
+    def continue_text(s, text):
+        s += text + sgl.gen("more", max_tokens=6, temperature=0)
+
+    with sgl.Runtime(str(tiny_model_dirs["llama"]), dp_size=2, max_total_tokens=TINY_POOL_TOKENS, **EXACT) as runtime:
+        states = continue_text.run_batch([{"text": t} for t in ("Once upon a time", "The river", "def f(x):")],
+                                         backend=runtime)
+        routed = [state["more"] for state in states]
+    direct = sgl.RuntimeEndpoint(tiny_server.url)
+    try:
+        expected = [continue_text.run(text=t, backend=direct)["more"]
+                    for t in ("Once upon a time", "The river", "def f(x):")]
+    finally:
+        direct.close()
+    assert routed == expected

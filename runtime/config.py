@@ -13,6 +13,7 @@ ATTENTION_BACKENDS = ("torch_native",)
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf")
+MAX_DP_SIZE = 64
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "schedule_policy": SCHEDULE_POLICIES,
            "grammar_backend": GRAMMAR_BACKENDS, "router_policy": ROUTER_POLICIES,
@@ -157,8 +158,8 @@ class ServerArgs:
             raise ValueError("api_key must not be empty")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
-        if self.dp_size < 1:
-            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if not 1 <= self.dp_size <= MAX_DP_SIZE:  # each replica is a server and a scheduler process
+            raise ValueError(f"dp_size must be in [1, {MAX_DP_SIZE}], got {self.dp_size}")
         if self.dp_size > 1 and self.api_key is not None:
             # sglang-router's --api-key authenticates it to workers; checking clients' keys is not wired up yet.
             raise ValueError("api_key with dp_size > 1 is not supported yet")

@@ -15,9 +15,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf")
 MAX_DP_SIZE = 64
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "nixl")
 CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "schedule_policy": SCHEDULE_POLICIES,
            "grammar_backend": GRAMMAR_BACKENDS, "router_policy": ROUTER_POLICIES,
-           "attention_backend": ATTENTION_BACKENDS}
+           "attention_backend": ATTENTION_BACKENDS, "disaggregation_mode": DISAGGREGATION_MODES,
+           "disaggregation_transfer_backend": TRANSFER_BACKENDS}
 
 
 @dataclass
@@ -86,6 +89,17 @@ class EngineArgs:
     torch_num_threads: int | None = None
     # Logging level of the scheduler process.
     log_level: str = "warning"
+    # Prefill/decode disaggregation behind sglang-router's --pd-disaggregation: a prefill server computes prompts
+    # and sends their K/V and first token to the decode server that continues the request; null serves whole.
+    disaggregation_mode: str = "null"
+    # The engine that moves K/V between the two: mooncake (Mooncake's TransferEngine over TCP) or nixl.
+    disaggregation_transfer_backend: str = "mooncake"
+    # Prefill servers: the port of the bootstrap service where decode servers claim requests' K/V.
+    disaggregation_bootstrap_port: int = 8998
+    # The address this server's transfer engine and bootstrap service use; peers must reach it.
+    disaggregation_host: str = "127.0.0.1"
+    # Seconds a request's two halves wait for each other (queueing included) before it fails.
+    disaggregation_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,9 +127,24 @@ class EngineArgs:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
+        self._validate_disaggregation()
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+
+    def _validate_disaggregation(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got "
+                             f"{self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"disaggregation_transfer_backend must be one of {TRANSFER_BACKENDS}, got "
+                             f"{self.disaggregation_transfer_backend!r}")
+        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError(f"disaggregation_bootstrap_port must be in [1, 65535], got "
+                             f"{self.disaggregation_bootstrap_port}")
+        if not 0 < self.disaggregation_timeout < float("inf"):
+            raise ValueError(f"disaggregation_timeout must be a positive number of seconds, got "
+                             f"{self.disaggregation_timeout}")
 
     @property
     def num_threads(self) -> int:

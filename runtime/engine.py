@@ -49,6 +49,10 @@ def _deadline(timeout: Any, stream: bool) -> float | None:
     return time.monotonic() + timeout
 
 
+def _bootstrap_fields(host: Any, port: Any, room: Any) -> dict[str, Any]:
+    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+
+
 def start_scheduler_process() -> tuple[subprocess.Popen, Connection]:
     """Start the scheduler in a fresh interpreter and accept its authenticated connection."""
     authkey = secrets.token_bytes(32)
@@ -97,16 +101,20 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                 stream: bool = False, rid: str | None = None, timeout: float | None = None):
+                 stream: bool = False, rid: str | None = None, timeout: float | None = None,
+                 bootstrap_host: str | None = None, bootstrap_port: int | None = None,
+                 bootstrap_room: int | None = None):
         """Generate for one prompt (returns a dict) or a list (returns a list, n results per prompt, in order).
 
         With stream=True (one prompt, n=1) returns an iterator of chunks: `text` is cumulative, logprob lists
         hold only the new entries. With `timeout` (seconds, not for streams) requests still unfinished then are
-        aborted and TimeoutError is raised.
+        aborted and TimeoutError is raised. The bootstrap fields pair a request's halves on prefill and decode
+        engines (disaggregation_mode).
         """
         deadline = _deadline(timeout, stream)
         reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                          top_logprobs_num, rid, stream, return_text_in_logprobs)
+                                          top_logprobs_num, rid, stream, return_text_in_logprobs,
+                                          _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room))
         self._check_capacity(len(reqs))
         if stream:
             return self._stream_sync(reqs[0], return_text_in_logprobs)
@@ -126,11 +134,13 @@ class Engine:
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              return_text_in_logprobs: bool = False, stream: bool = False, rid: str | None = None,
-                             timeout: float | None = None):
+                             timeout: float | None = None, bootstrap_host: str | None = None,
+                             bootstrap_port: int | None = None, bootstrap_room: int | None = None):
         """Async twin of generate(); with stream=True returns an async iterator of chunks."""
         _deadline(timeout, stream)
         reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                          top_logprobs_num, rid, stream, return_text_in_logprobs)
+                                          top_logprobs_num, rid, stream, return_text_in_logprobs,
+                                          _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room))
         self._check_capacity(len(reqs))
         if stream:
             return self._stream_async(reqs[0], return_text_in_logprobs)

@@ -11,6 +11,15 @@ from .sampling.params import SamplingParams
 LogprobTriple = tuple[float | None, int, str | None]
 
 
+@dataclass(frozen=True)
+class Bootstrap:
+    """Disaggregated serving: the prefill server's bootstrap service and the room pairing the two halves."""
+
+    host: str
+    port: int
+    room: int
+
+
 @dataclass
 class TokenizedGenerateReq:
     rid: str
@@ -20,6 +29,7 @@ class TokenizedGenerateReq:
     # First prompt position whose logprob is returned; -1 means the last prompt token only.
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    bootstrap: Bootstrap | None = None
 
 
 @dataclass
@@ -67,6 +77,12 @@ class SchedulerReady:
     vocab_size: int
     dtype: str = "float32"  # what dtype="auto" resolved to
     quantized_layers: int = 0  # linear layers running on quantized kernels
+    disaggregation_mode: str = "null"
+
+
+class PeerServerError(RuntimeError):
+    """A server this request depended on failed it (disaggregated serving: the prefill server or the KV transfer);
+    the HTTP server answers 502."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ import numbers
 import uuid
 from typing import Any
 
-from .io import SchedulerReady, TokenizedGenerateReq
+from .io import Bootstrap, SchedulerReady, TokenizedGenerateReq
 from .sampling.params import SamplingParams
 
 # Requests one call may create (prompts times n): a bound, so no call can queue without limit.
@@ -20,8 +20,8 @@ class RequestBuilder:
         self.info = info
 
     def build(self, prompt, sampling_params, input_ids, return_logprob: bool, logprob_start_len: int,
-              top_logprobs_num: int, rid: str | None, stream: bool,
-              return_text_in_logprobs: bool = False) -> tuple[list[TokenizedGenerateReq], bool]:
+              top_logprobs_num: int, rid: str | None, stream: bool, return_text_in_logprobs: bool = False,
+              bootstrap: dict[str, Any] | None = None) -> tuple[list[TokenizedGenerateReq], bool]:
         """Returns the requests and whether the input was a single prompt. Raises ValueError on bad input."""
         _check_flags(return_logprob=return_logprob, stream=stream, return_text_in_logprobs=return_text_in_logprobs)
         if rid is not None and (not isinstance(rid, str) or not rid):
@@ -33,6 +33,7 @@ class RequestBuilder:
         _check_logprob_args(logprob_start_len, top_logprobs_num)
         if stream and (len(prompts) != 1 or params_list[0].n != 1):
             raise ValueError("stream=True takes a single prompt with n=1")
+        paired = self._bootstrap(bootstrap, len(prompts) == 1 and params_list[0].n == 1, params_list[0])
         total = sum(p.n for p in params_list)
         if total > MAX_REQUESTS_PER_CALL:
             raise ValueError(f"one call may create at most {MAX_REQUESTS_PER_CALL} requests (prompts times n), "
@@ -51,8 +52,36 @@ class RequestBuilder:
                     one.sampling_seed = params.sampling_seed + sample
                 request_id = base_rid if single and params.n == 1 else f"{base_rid}-{index}-{sample}"
                 reqs.append(TokenizedGenerateReq(request_id, ids, one, return_logprob, logprob_start_len,
-                                                 top_logprobs_num))
+                                                 top_logprobs_num, paired))
         return reqs, single and params_list[0].n == 1
+
+    def _bootstrap(self, fields: dict[str, Any] | None, one_request: bool, params: SamplingParams) -> Bootstrap | None:
+        """Disaggregated servers need, per request, where its other half pairs up (sglang-router adds it)."""
+        mode = self.info.disaggregation_mode
+        given = {k: v for k, v in (fields or {}).items() if v is not None}
+        if mode == "null":
+            if given:
+                raise ValueError(f"{', '.join(sorted(given))}: bootstrap fields are for prefill and decode servers "
+                                 f"(disaggregation_mode prefill or decode); this server serves requests whole")
+            return None
+        missing = [k for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if k not in given]
+        if missing:
+            raise ValueError(f"this is a {mode} server of a prefill/decode pair: every request needs bootstrap_host, "
+                             f"bootstrap_port and bootstrap_room (sglang-router --pd-disaggregation adds them); "
+                             f"missing {', '.join(missing)}")
+        host, port, room = given["bootstrap_host"], given["bootstrap_port"], given["bootstrap_room"]
+        if not isinstance(host, str) or not host or len(host) > 255:
+            raise ValueError(f"bootstrap_host must be a host name or address, got {host!r}")
+        if not _is_token_id(port) or not 1 <= port <= 65535:
+            raise ValueError(f"bootstrap_port must be an integer in [1, 65535], got {port!r}")
+        if not _is_token_id(room) or not 0 <= room < 2**64:
+            raise ValueError(f"bootstrap_room must be an integer in [0, 2**64), got {room!r}")
+        if not one_request:
+            raise ValueError("a bootstrap_room pairs one request: send a single prompt with n=1")
+        if params.max_new_tokens < 1:
+            raise ValueError("disaggregated serving needs max_new_tokens >= 1: the prefill server samples the "
+                             "first token")
+        return Bootstrap(host, int(port), int(room))
 
     def _token_lists(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):

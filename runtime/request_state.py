@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, stream_holdback, trim_stop
-from .io import ReqOutput, TokenizedGenerateReq
+from .io import PeerServerError, ReqOutput, TokenizedGenerateReq
 from .schema_check import SchemaChecker, SchemaVerdict
 
 
@@ -55,7 +55,7 @@ class RequestState:
             self.logprobs.setdefault(key, []).extend(entries)
         status = (self.finish_reason or {}).get("status_code")
         if status is not None:  # the scheduler refused this request (e.g. its grammar does not compile)
-            error_type = ValueError if status < 500 else RuntimeError
+            error_type = ValueError if status < 500 else PeerServerError if status == 502 else RuntimeError
             self.sink(error_type(self.finish_reason["message"]))
             return
         if self.schema is not None and self.schema_checker is not None and out.finish_reason is not None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..io import ReqOutput, TokenizedGenerateReq
+from ..io import Bootstrap, ReqOutput, TokenizedGenerateReq
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
 
@@ -44,6 +44,7 @@ class Req:
     future_slot: int | None = None
     # Overlap loop: the in-flight batch sampled for this request from a state jump-forward has since changed.
     discard_next: bool = False
+    bootstrap: Bootstrap | None = None  # disaggregated serving: where this request's other half is paired
 
     @classmethod
     def from_tokenized(cls, req: TokenizedGenerateReq, seed: int, eos_ids: frozenset[int]) -> "Req":
@@ -56,6 +57,7 @@ class Req:
             return_logprob=req.return_logprob,
             logprob_start_len=req.logprob_start_len,
             top_logprobs_num=req.top_logprobs_num,
+            bootstrap=req.bootstrap,
         )
 
     @property

@@ -6,6 +6,7 @@ Both loops share step(); launch.py holds what differs (where a batch runs) and t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from multiprocessing.connection import Connection
@@ -17,6 +18,8 @@ from ...grammars.cache import GrammarCache, make_backend
 from ..cache.chunk_cache import ChunkCache
 from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
+from ..disaggregation.decode import DecodeReceiver
+from ..disaggregation.prefill import PrefillSender
 from ..io import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
@@ -44,6 +47,9 @@ class Scheduler:
         backend = make_backend(args.grammar_backend, self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids),
                                args.grammar_compile_timeout)
         self.grammars = GrammarQueue(GrammarCache(backend) if backend else None, args.grammar_compile_timeout)
+        self.prefill_sender = PrefillSender(args, self.runner) if args.disaggregation_mode == "prefill" else None
+        self.decode_receiver = (DecodeReceiver(args, self.runner, self.cache, self.memory)
+                                if args.disaggregation_mode == "decode" else None)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -62,6 +68,7 @@ class Scheduler:
             vocab_size=self.runner.vocab_size,
             dtype=str(self.runner.dtype).removeprefix("torch."),
             quantized_layers=len(self.runner.quantized_layers),
+            disaggregation_mode=self.args.disaggregation_mode,
         )
 
     @property
@@ -70,8 +77,14 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked_req)
 
     @property
+    def transfers_pending(self) -> bool:
+        """Disaggregated serving: requests whose K/V are on their way out or in."""
+        side = self.prefill_sender or self.decode_receiver
+        return side is not None and side.pending
+
+    @property
     def idle(self) -> bool:
-        return not (self.has_work or self.grammars)
+        return not (self.has_work or self.grammars or self.transfers_pending)
 
     # -- the loop -------------------------------------------------------------------------------------------
 
@@ -134,13 +147,15 @@ class Scheduler:
 
     def receive_messages(self, block: bool) -> bool:
         """Handle everything the engine sent; False once it asked to shut down."""
-        # Requests waiting only for a grammar must not block the loop: poll until their compile settles.
-        for message in receive(self.conn, block=block, timeout=0.005 if self.grammars else None):
+        # Requests waiting only for a grammar or a KV transfer must not block the loop: poll until they settle.
+        polling = self.grammars or self.transfers_pending
+        for message in receive(self.conn, block=block, timeout=0.002 if polling else None):
             if isinstance(message, RpcReq) and message.method == "shutdown":
                 self.conn.send([RpcOut(message.call_id, True)])
                 return False
             self.handle(message)
         self.admit_compiled_grammars()
+        self.advance_transfers()
         return True
 
     def send_outputs(self) -> None:
@@ -178,20 +193,35 @@ class Scheduler:
             self.outputs.append(ReqOutput(rid=message.rid, new_token_ids=[], finish_reason=bad_request(
                 f"request could not be queued: {type(error).__name__}: {error}", 500)))
             return
+        if self.prefill_sender is not None:  # the decode server samples everything after the first token
+            req.params = dataclasses.replace(req.params, max_new_tokens=1)
         if req.params.grammar is None:
-            self.waiting.append(req)
+            self.enqueue(req)
         elif (problem := self.grammars.add(req)) is not None:
             self.finish(req, bad_request(problem))
 
+    def enqueue(self, req: Req) -> None:
+        """A request ready to run: a decode server first has its prompt's K/V sent over."""
+        if self.decode_receiver is not None:
+            self.decode_receiver.add(req)
+        else:
+            self.waiting.append(req)
+
     def admit_compiled_grammars(self) -> None:
         ready, failed = self.grammars.pop_settled()
-        self.waiting.extend(ready)
+        for req in ready:
+            self.enqueue(req)
         for req, problem in failed:
             self.finish(req, bad_request(problem))
 
     def abort(self, rid: str) -> None:
-        for req in self.grammars.remove(rid):
+        queued = self.decode_receiver.remove_queued(rid) if self.decode_receiver else []
+        for req in self.grammars.remove(rid) + queued:
             self.finish(req, {"type": "abort", "message": "aborted by request"})
+        side = self.prefill_sender or self.decode_receiver
+        for req in side.holding() if side else []:
+            if req.rid == rid and not req.finished:  # its K/V are in flight: released when the transfer settles
+                self.finish(req, {"type": "abort", "message": "aborted by request"})
         matches = [r for r in self.waiting + self.running + [self.chunked_req] if r is not None and r.rid == rid]
         for req in matches:
             if req in self.waiting:
@@ -223,6 +253,7 @@ class Scheduler:
             "cached_tokens_total": self.cached_tokens_total,
             "jumped_tokens": self.jumped_tokens,
             **self.grammars.stats(),
+            **(self.prefill_sender.stats if self.prefill_sender else {}),
         }
 
     def rpc_flush_cache(self) -> bool:
@@ -230,7 +261,9 @@ class Scheduler:
         return self.idle and self.cache.flush()
 
     def rpc_check_integrity(self) -> bool:
-        self.memory.check_integrity(self.running + ([self.chunked_req] if self.chunked_req else []))
+        side = self.prefill_sender or self.decode_receiver
+        held = side.holding() if side else []
+        self.memory.check_integrity(self.running + ([self.chunked_req] if self.chunked_req else []) + held)
         return True
 
     # -- batching -------------------------------------------------------------------------------------------
@@ -317,7 +350,9 @@ class Scheduler:
             jumped = not req.finished and not self.args.disable_jump_forward and self.jump_forward(req)
             if jumped and id(req) in in_flight:
                 FutureTokens.redirect(req)
-            if req.finished:
+            if req.finished and self.prefill_sender is not None:
+                self.prefill_sender.hold(req)  # its K/V go to the decode server before they are released
+            elif req.finished:
                 self.memory.release(req)
                 self.finish(req, req.finish_reason)
             elif id(req) not in running:
@@ -328,6 +363,43 @@ class Scheduler:
             if req.pending is not None:
                 self.outputs.append(req.pending)
                 req.pending = None
+
+    def advance_transfers(self) -> None:
+        """Disaggregated serving: settle finished KV transfers, start new ones."""
+        if self.prefill_sender is not None:
+            for req, problem in self.prefill_sender.poll():
+                self.memory.release(req)  # the prompt's K/V are intact either way: cache them
+                if problem is not None:
+                    self.finish(req, bad_request(problem, 502))
+                elif req.pending is not None:  # else it was aborted meanwhile and has been answered
+                    self.finish(req, req.finish_reason)
+        if self.decode_receiver is not None:
+            for req, outcome in self.decode_receiver.poll():
+                self.land(req, outcome)
+            self.decode_receiver.start_queued(self.running, self.memory.new_token_ratio)
+
+    def land(self, req: Req, outcome: dict[str, Any]) -> None:
+        """Decode side: the prompt's K/V arrived with the first token (or the transfer failed)."""
+        token = outcome.get("first_token")
+        if "error" in outcome or not isinstance(token, int) or not 0 <= token < self.runner.vocab_size:
+            self.decode_receiver.discard(req)  # what those slots hold is not this prompt's K/V
+            if not req.finished:
+                self.finish(req, bad_request(f"prefill/decode KV transfer failed: {outcome.get('error', outcome)}",
+                                             502))
+            return
+        if req.finished:  # aborted while its K/V were on the way; they are good, so cache them
+            self.memory.release(req)
+            return
+        self.cache.cache_unfinished_req(req)
+        self.finish_prefill(req)
+        self.take_token(req, token, outcome.get("logprob"), outcome.get("top"))
+        if req.finished:
+            self.memory.release(req)
+            self.finish(req, req.finish_reason)
+            return
+        self.running.append(req)
+        self.outputs.append(req.pending)  # the first token goes out now, not with the next step's
+        req.pending = None
 
     def take_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         req.append_token(token, self.decode_tail, self.runner.context_length)

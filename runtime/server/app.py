@@ -11,6 +11,7 @@ from aiohttp import web
 
 from ..config import ServerArgs
 from ..engine import Engine, QueueFullError
+from ..io import PeerServerError
 from . import native, openai_api
 from .errors import ApiError, error_response
 from .keys import ENGINE, METRICS, SETTINGS
@@ -48,6 +49,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return error_response(400, str(error))
     except TimeoutError as error:
         return error_response(504, str(error) or "the request timed out")
+    except PeerServerError as error:
+        return error_response(502, str(error))
     except web.HTTPException as error:
         if error.status < 400:
             raise

@@ -11,12 +11,12 @@ from ... import __version__
 from ..engine import Engine
 from .errors import ApiError, check_fields, read_json_object
 from .keys import ENGINE, METRICS, SETTINGS
-from .router_fields import strip_router_fields
+from .router_fields import BOOTSTRAP_FIELDS, strip_router_fields
 from .sse import open_stream, send_done, send_event
 
 GENERATE_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_text_in_logprobs", "stream", "rid", "image_data",
+    "return_text_in_logprobs", "stream", "rid", "image_data", *BOOTSTRAP_FIELDS,
 })
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
@@ -53,6 +53,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         "return_logprob": body.get("return_logprob", False), "rid": body.get("rid"),
         "logprob_start_len": body.get("logprob_start_len", -1), "top_logprobs_num": body.get("top_logprobs_num", 0),
         "return_text_in_logprobs": body.get("return_text_in_logprobs", False),
+        **{name: body.get(name) for name in BOOTSTRAP_FIELDS},
     }
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

@@ -13,7 +13,7 @@ from aiohttp import web
 from ..engine import Engine
 from . import openai_format as fmt
 from .errors import ApiError, read_json_object
-from .router_fields import strip_router_fields
+from .router_fields import BOOTSTRAP_FIELDS, strip_router_fields
 from .keys import ENGINE, SETTINGS
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from .sse import open_stream, send_done, send_event
@@ -40,6 +40,7 @@ class Job:
     logprobs: int | None  # top logprobs per token (0: the chosen token's only); None: no logprobs
     echo_texts: list[str] = field(default_factory=list)  # completions with echo: the prompt text per prompt
     rid: str | None = None
+    bootstrap: dict[str, Any] = field(default_factory=dict)  # prefill/decode pairing fields from the router
 
     @property
     def n(self) -> int:
@@ -73,7 +74,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = _completion_prompts(engine, req.prompt)
     echo = [engine.tokenizer.decode(ids) for ids in prompt_ids] if req.echo else []
     job = Job("completion", checked_model(request, req), prompt_ids,
-              _per_prompt_sampling(engine, req, req.max_tokens, prompt_ids), req.logprobs, echo, req.rid)
+              _per_prompt_sampling(engine, req, req.max_tokens, prompt_ids), req.logprobs, echo, req.rid,
+              _bootstrap(req))
     return await _run(request, job, req)
 
 
@@ -89,8 +91,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true")
     job = Job("chat", checked_model(request, req), [ids], _per_prompt_sampling(engine, req, limit, [ids]), top,
-              rid=req.rid)
+              rid=req.rid, bootstrap=_bootstrap(req))
     return await _run(request, job, req)
+
+
+def _bootstrap(req: SamplingFields) -> dict[str, Any]:
+    return {name: getattr(req, name) for name in BOOTSTRAP_FIELDS}
 
 
 def _completion_prompts(engine: Engine, prompt: Any) -> list[list[int]]:
@@ -136,7 +142,7 @@ async def _run(request: web.Request, job: Job, req: SamplingFields) -> web.Strea
         return await _stream(request, job, include_usage)
     engine: Engine = request.app[ENGINE]
     results = await engine.async_generate(input_ids=job.prompt_ids, sampling_params=job.sampling,
-                                          rid=job.rid, **_logprob_args(job))
+                                          rid=job.rid, **_logprob_args(job), **job.bootstrap)
     choices = [_choice(job, index, result) for index, result in enumerate(results)]
     prompt_tokens = sum(len(ids) for ids in job.prompt_ids)
     cached = sum(r["meta_info"]["cached_tokens"] for r in results[:: job.n])
@@ -228,7 +234,7 @@ async def _open_streams(engine: Engine, job: Job) -> list[AsyncIterator[dict[str
                 rid = None if job.rid is None else (job.rid if len(job.prompt_ids) * job.n == 1
                                                     else f"{job.rid}-{p}-{sample}")
                 streams.append(await engine.async_generate(input_ids=ids, sampling_params=one, stream=True, rid=rid,
-                                                           **_logprob_args(job)))
+                                                           **_logprob_args(job), **job.bootstrap))
     except BaseException:
         for chunks in streams:
             await chunks.aclose()

@@ -56,6 +56,10 @@ class SamplingFields(Strict):
     json_schema: str | dict[str, Any] | None = None
     allow_approximate_schema: bool | None = None
     rid: str | None = None
+    # sglang-router --pd-disaggregation pairs the prefill and decode halves of a request with these.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: NonNegInt | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -12,6 +12,8 @@ from typing import Any
 
 from .errors import ApiError
 
+# sglang-router --pd-disaggregation pairs a request's prefill and decode halves with these (the engine checks them).
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # Advisory: any value of the right type is fine (logging switches, the model name a one-model server ignores,
 # reasoning parsing for a server that runs no reasoning parser).
 ADVISORY = {"log_metrics": bool, "no_logs": bool, "model": str, "separate_reasoning": bool,

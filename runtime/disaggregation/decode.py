@@ -35,6 +35,9 @@ class DecodeReceiver:
         self.receiving: dict[int, Req] = {}  # slots reserved, room claimed, K/V on the way
         self.landed: queue.SimpleQueue[tuple[Req, dict[str, Any]]] = queue.SimpleQueue()
 
+    def close(self) -> None:
+        self.loop.submit(self.session.close()).result(timeout=10)
+
     @property
     def pending(self) -> bool:
         return bool(self.queued or self.receiving)

@@ -46,6 +46,9 @@ class PrefillSender:
         self.landed: queue.SimpleQueue[tuple[Req, str | None]] = queue.SimpleQueue()
         self.stats = {"kv_transfers": 0, "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0, "kv_transfer_failures": 0}
 
+    def close(self) -> None:
+        self.writer.shutdown(wait=True, cancel_futures=True)
+
     @property
     def pending(self) -> bool:
         return bool(self.held)

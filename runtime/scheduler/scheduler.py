@@ -89,10 +89,14 @@ class Scheduler:
     # -- the loop -------------------------------------------------------------------------------------------
 
     def event_loop(self) -> None:
-        if self.args.disable_overlap_schedule:
-            self.plain_loop()
-        else:
-            self.overlap_loop()
+        try:
+            if self.args.disable_overlap_schedule:
+                self.plain_loop()
+            else:
+                self.overlap_loop()
+        finally:
+            if side := self.prefill_sender or self.decode_receiver:
+                side.close()
 
     def plain_loop(self) -> None:
         """Each batch is completed in the round that launched it."""
@@ -253,6 +257,7 @@ class Scheduler:
             "cached_tokens_total": self.cached_tokens_total,
             "jumped_tokens": self.jumped_tokens,
             **self.grammars.stats(),
+            "transfers_in_flight": len(side.holding()) if (side := self.prefill_sender or self.decode_receiver) else 0,
             **(self.prefill_sender.stats if self.prefill_sender else {}),
         }
 

@@ -1,0 +1,185 @@
+"""Prefill/decode disaggregation across real processes on loopback: a prefill and a decode furcate server behind
+sglang-router in PD mode, K/V moved by Mooncake's transfer engine over TCP; outputs equal a single server's."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from furcate.runtime.server.launch import ServerProcess
+
+from .conftest import EXACT, TINY_POOL_TOKENS, assert_server_pool_free
+
+pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install -e '.[dev]')")
+try:
+    from mooncake.engine import TransferEngine  # noqa: F401
+except ImportError as error:  # the wheel loads libibverbs even for TCP
+    pytest.skip(f"Mooncake's transfer engine is not usable here ({error}); pip install -e '.[dev]' and "
+                f"apt-get install libibverbs1 libnl-route-3-200", allow_module_level=True)
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+PREAMBLE = "You are a careful assistant. Answer in one short sentence, and never repeat the question. "
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _server(model_dir, mode: str, **extra) -> ServerProcess:
+    args = {"max_total_tokens": TINY_POOL_TOKENS, "torch_num_threads": 1, **EXACT,
+            "disaggregation_mode": mode, "disaggregation_timeout": 20, **extra}
+    return ServerProcess(str(model_dir), args)
+
+
+def _start_router(args: list[str]) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                "--port", str(port), "--log-level", "warn", "--prometheus-port", str(_free_port()),
+                                *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except requests.ConnectionError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, "sglang-router did not start"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dirs):
+    """(router URL, prefill server, decode server)."""
+    bootstrap = _free_port()
+    prefill = _server(tiny_model_dirs["llama"], "prefill", disaggregation_bootstrap_port=bootstrap)
+    decode = _server(tiny_model_dirs["llama"], "decode")
+    router, url = _start_router(["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap),
+                                 "--decode", decode.url])
+    yield url, prefill, decode
+    router.terminate()
+    router.wait(timeout=30)
+    for server in (prefill, decode):
+        server.stop()
+
+
+def _generate(url: str, prompt: str, **extra) -> requests.Response:
+    return requests.post(f"{url}/generate", json={"text": prompt, "sampling_params": GREEDY, **extra}, timeout=120)
+
+
+def test_pd_outputs_equal_a_single_server(pd, tiny_server):
+    url, prefill, decode = pd
+    prompts = ["The capital of France is", "One two three", PREAMBLE + "What is rain?", PREAMBLE + "Why is ice cold?"]
+    expected = {p: _generate(tiny_server.url, p).json()["output_ids"] for p in prompts}
+    for prompt in prompts:  # one at a time, then all at once (they batch on both servers)
+        routed = _generate(url, prompt)
+        assert routed.status_code == 200, routed.text
+        assert routed.json()["output_ids"] == expected[prompt]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda p: _generate(url, p), prompts * 2))
+    for prompt, response in zip(prompts * 2, responses):
+        assert response.status_code == 200, response.text
+        assert response.json()["output_ids"] == expected[prompt]
+    # The decode server's own prefix cache served the repeated preamble: only the rest was transferred.
+    assert max(r.json()["meta_info"]["cached_tokens"] for r in responses[4:]) > 0
+    stats = requests.get(f"{prefill.url}/get_server_info", timeout=30).json()["internal_states"][0]
+    assert stats["kv_transfers"] >= 12 and stats["kv_transfer_failures"] == 0
+    for server in (prefill, decode):
+        assert_server_pool_free(server.url)
+
+
+def test_pd_streams_and_openai_client(pd, tiny_server):
+    from openai import OpenAI
+
+    url, prefill, decode = pd
+    expected = _generate(tiny_server.url, "Streaming works when").json()["text"]
+    with requests.post(f"{url}/generate", json={"text": "Streaming works when", "sampling_params": GREEDY,
+                                                "stream": True}, stream=True, timeout=120) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith(b"data: {")]
+    assert len(events) > 1
+    assert requests.models.complexjson.loads(events[-1][6:])["text"] == expected
+    served = requests.get(f"{tiny_server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    results = []
+    for base in (url, tiny_server.url):
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        chat = client.chat.completions.create(model=served, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=6, temperature=0)
+        stream = client.chat.completions.create(model=served, messages=[{"role": "user", "content": "Hey"}],
+                                                max_tokens=6, temperature=0, stream=True)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        results.append((chat.choices[0].message.content, streamed))
+    assert results[0] == results[1]
+    for server in (prefill, decode):
+        assert_server_pool_free(server.url)
+
+
+def test_a_request_without_its_pairing_is_refused(pd):
+    _, prefill, decode = pd
+    for server in (prefill, decode):
+        response = _generate(server.url, "hello")
+        assert response.status_code == 400 and "bootstrap_room" in response.json()["error"]["message"]
+    bad = _generate(decode.url, "hello", bootstrap_host="127.0.0.1", bootstrap_port=1, bootstrap_room=-3)
+    assert bad.status_code == 400 and "bootstrap_room" in bad.json()["error"]["message"]
+
+
+def test_failed_transfers_fail_alone_and_a_killed_prefill_server_fails_requests_cleanly(tiny_model_dirs):
+    """A prefill request no decode server claims, a decode request whose prefill server never computes it, and
+    one whose prefill server is gone each fail with a clear error; slots come back and the servers keep serving."""
+    bootstrap = _free_port()
+    prefill = _server(tiny_model_dirs["llama"], "prefill", disaggregation_bootstrap_port=bootstrap,
+                      disaggregation_timeout=1)
+    decode = _server(tiny_model_dirs["llama"], "decode", disaggregation_timeout=1)
+    router, url = _start_router(["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap),
+                                 "--decode", decode.url])
+    pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap}
+    try:
+        response = _generate(prefill.url, "Nobody claims this", **pairing, bootstrap_room=7)
+        assert response.status_code == 502 and "no decode server claimed" in response.json()["error"]["message"]
+        response = _generate(decode.url, "Nobody sends this", **pairing, bootstrap_room=8)
+        assert response.status_code == 502 and "did not send" in response.json()["error"]["message"]
+        for server in (prefill, decode):
+            assert_server_pool_free(server.url)
+        assert _generate(url, "Before the crash").status_code == 200
+        prefill.process.kill()
+        prefill.process.wait(timeout=30)
+        assert _generate(url, "After the crash").status_code >= 400
+        direct = _generate(decode.url, "After the crash", **pairing, bootstrap_room=99)
+        assert direct.status_code == 502 and "did not answer" in direct.json()["error"]["message"]
+        assert requests.get(f"{decode.url}/health", timeout=10).status_code == 200
+        assert_server_pool_free(decode.url)
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+        prefill.stop()
+        decode.stop()
+
+
+def test_nixl_backend_pairs_requests_sent_to_both_halves(tiny_model_dirs, tiny_server):
+    """The same pairing over NIXL (UCX), with the two halves called directly as the router would."""
+    pytest.importorskip("nixl_cu12", reason="NIXL is a dev dependency (pip install -e '.[dev]')")
+    bootstrap = _free_port()
+    backend = {"disaggregation_transfer_backend": "nixl"}
+    prefill = _server(tiny_model_dirs["llama"], "prefill", disaggregation_bootstrap_port=bootstrap, **backend)
+    decode = _server(tiny_model_dirs["llama"], "decode", **backend)
+    try:
+        for room, prompt in enumerate(["The capital of France is", PREAMBLE + "What is rain?"]):
+            pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": room}
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                halves = list(pool.map(lambda url: _generate(url, prompt, **pairing), [prefill.url, decode.url]))
+            assert all(r.status_code == 200 for r in halves), [r.text for r in halves]
+            assert halves[1].json()["output_ids"] == _generate(tiny_server.url, prompt).json()["output_ids"]
+            assert halves[0].json()["output_ids"] == halves[1].json()["output_ids"][:1]
+        for server in (prefill, decode):
+            assert_server_pool_free(server.url)
+    finally:
+        prefill.stop()
+        decode.stop()

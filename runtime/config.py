@@ -179,6 +179,9 @@ class ServerArgs:
     dp_size: int = 1
     # The router's policy when dp_size > 1.
     router_policy: str = "cache_aware"
+    # Prefill/decode disaggregation in one command: dp_size prefill and dp_size decode servers on free loopback
+    # ports behind sglang-router in PD mode (K/V moved by disaggregation_transfer_backend).
+    pd_disaggregation: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -189,9 +192,9 @@ class ServerArgs:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if not 1 <= self.dp_size <= MAX_DP_SIZE:  # each replica is a server and a scheduler process
             raise ValueError(f"dp_size must be in [1, {MAX_DP_SIZE}], got {self.dp_size}")
-        if self.dp_size > 1 and self.api_key is not None:
+        if (self.dp_size > 1 or self.pd_disaggregation) and self.api_key is not None:
             # sglang-router's --api-key authenticates it to workers; checking clients' keys is not wired up yet.
-            raise ValueError("api_key with dp_size > 1 is not supported yet")
+            raise ValueError("api_key with dp_size > 1 or pd_disaggregation is not supported yet")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
         if not 0 <= self.graceful_shutdown_timeout < float("inf"):

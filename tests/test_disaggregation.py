@@ -4,10 +4,7 @@ sglang-router in PD mode, K/V moved by Mooncake's transfer engine over TCP; outp
 from __future__ import annotations
 
 import concurrent.futures
-import socket
-import subprocess
-import sys
-import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -15,6 +12,7 @@ import requests
 from furcate.runtime.server.launch import ServerProcess
 
 from .conftest import EXACT, TINY_POOL_TOKENS, assert_server_pool_free
+from .processes import descendants, free_port, start_router
 
 pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install -e '.[dev]')")
 try:
@@ -27,42 +25,19 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 PREAMBLE = "You are a careful assistant. Answer in one short sentence, and never repeat the question. "
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _server(model_dir, mode: str, **extra) -> ServerProcess:
     args = {"max_total_tokens": TINY_POOL_TOKENS, "torch_num_threads": 1, **EXACT,
             "disaggregation_mode": mode, "disaggregation_timeout": 20, **extra}
     return ServerProcess(str(model_dir), args)
 
 
-def _start_router(args: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                "--port", str(port), "--log-level", "warn", "--prometheus-port", str(_free_port()),
-                                *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except requests.ConnectionError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, "sglang-router did not start"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def pd(tiny_model_dirs):
     """(router URL, prefill server, decode server)."""
-    bootstrap = _free_port()
+    bootstrap = free_port()
     prefill = _server(tiny_model_dirs["llama"], "prefill", disaggregation_bootstrap_port=bootstrap)
     decode = _server(tiny_model_dirs["llama"], "decode")
-    router, url = _start_router(["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap),
+    router, url = start_router(["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap),
                                  "--decode", decode.url])
     yield url, prefill, decode
     router.terminate()
@@ -134,11 +109,11 @@ def test_a_request_without_its_pairing_is_refused(pd):
 def test_failed_transfers_fail_alone_and_a_killed_prefill_server_fails_requests_cleanly(tiny_model_dirs):
     """A prefill request no decode server claims, a decode request whose prefill server never computes it, and
     one whose prefill server is gone each fail with a clear error; slots come back and the servers keep serving."""
-    bootstrap = _free_port()
+    bootstrap = free_port()
     prefill = _server(tiny_model_dirs["llama"], "prefill", disaggregation_bootstrap_port=bootstrap,
                       disaggregation_timeout=1)
     decode = _server(tiny_model_dirs["llama"], "decode", disaggregation_timeout=1)
-    router, url = _start_router(["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap),
+    router, url = start_router(["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap),
                                  "--decode", decode.url])
     pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap}
     try:
@@ -166,7 +141,7 @@ def test_failed_transfers_fail_alone_and_a_killed_prefill_server_fails_requests_
 def test_nixl_backend_pairs_requests_sent_to_both_halves(tiny_model_dirs, tiny_server):
     """The same pairing over NIXL (UCX), with the two halves called directly as the router would."""
     pytest.importorskip("nixl_cu12", reason="NIXL is a dev dependency (pip install -e '.[dev]')")
-    bootstrap = _free_port()
+    bootstrap = free_port()
     backend = {"disaggregation_transfer_backend": "nixl"}
     prefill = _server(tiny_model_dirs["llama"], "prefill", disaggregation_bootstrap_port=bootstrap, **backend)
     decode = _server(tiny_model_dirs["llama"], "decode", **backend)
@@ -183,3 +158,19 @@ def test_nixl_backend_pairs_requests_sent_to_both_halves(tiny_model_dirs, tiny_s
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_serve_pd_disaggregation_starts_and_stops_everything_in_one_command(tiny_model_dirs, tiny_server):
+    server = ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS, **EXACT},
+                           extra_args=("--pd-disaggregation",))
+    try:
+        family = descendants(server.process.pid)
+        assert len(family) >= 5, family  # a prefill and a decode server with a scheduler each, and the router
+        for prompt in ("The capital of France is", PREAMBLE + "Why is ice cold?"):
+            routed = _generate(server.url, prompt)
+            assert routed.status_code == 200, routed.text
+            assert routed.json()["output_ids"] == _generate(tiny_server.url, prompt).json()["output_ids"]
+    finally:
+        assert server.stop() == 0
+    still = [pid for pid in family if Path(f"/proc/{pid}").exists()]
+    assert not still, f"processes left behind: {still}"

@@ -15,15 +15,17 @@ class Runtime:
     exiting) stops the server.
 
     `host`, `port` (0: a free one) and `api_key` configure the server; `startup_timeout` bounds the wait for it.
-    `dp_size=N` runs N replicas behind sglang-router (`furcate serve --dp-size`), routed by `router_policy`.
+    `dp_size=N` runs N replicas behind sglang-router (`furcate serve --dp-size`), routed by `router_policy`;
+    `pd_disaggregation=True` runs prefill and decode servers behind it (`furcate serve --pd-disaggregation`).
     """
 
     def __init__(self, model_path: str = "default", *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, startup_timeout: float = 600.0, dp_size: int = 1,
-                 router_policy: str = "cache_aware", **engine_args: Any) -> None:
+                 router_policy: str = "cache_aware", pd_disaggregation: bool = False, **engine_args: Any) -> None:
         from ...runtime.server.launch import ServerProcess
 
         extra = ("--dp-size", str(dp_size), "--router-policy", router_policy) if dp_size != 1 else ()
+        extra += ("--pd-disaggregation",) if pd_disaggregation else ()
         self.server = ServerProcess(model_path, engine_args, host=host, port=port, api_key=api_key,
                                     extra_args=extra, startup_timeout=startup_timeout)
         self.url: str = self.server.url

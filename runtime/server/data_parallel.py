@@ -1,6 +1,8 @@
 """`furcate serve --dp-size N`: N furcate servers on free loopback ports behind one sglang-router, which
 listens where a single server would. The router does the routing (cache-aware by default: it keeps its own
 approximate radix tree of request text per worker, so requests sharing a prefix go where it is cached).
+With --pd-disaggregation: N prefill servers (each with its own bootstrap port) and N decode servers behind the
+router in PD mode, which sends every request to one of each.
 Everything starts from one command and stops together on SIGINT/SIGTERM, or when any part dies.
 """
 
@@ -25,20 +27,24 @@ ROUTER_STARTUP_S = 60.0
 
 def serve_data_parallel(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     if importlib.util.find_spec("sglang_router") is None:
-        raise RuntimeError("--dp-size needs sglang-router: pip install 'furcate[scale]' (sglang-router==0.3.2)")
+        raise RuntimeError("--dp-size and --pd-disaggregation need sglang-router: pip install 'furcate[scale]' "
+                           "(sglang-router==0.3.2)")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     workers: list[ServerProcess] = []
     router: subprocess.Popen | None = None
     try:
-        for _ in range(server_args.dp_size):
-            workers.append(_start_worker(engine_args, server_args))
+        if server_args.pd_disaggregation:
+            worker_args = _start_pd_workers(engine_args, server_args, workers)
+        else:
+            for _ in range(server_args.dp_size):
+                workers.append(_start_worker(engine_args, server_args, server_args.dp_size))
+            worker_args = ["--worker-urls", *(w.url for w in workers)]
         port = server_args.port or _free_port(server_args.host)
         url = f"http://{_url_host(server_args.host)}:{port}"
         command = [sys.executable, "-m", "sglang_router.launch_router", "--host", server_args.host, "--port",
-                   str(port), "--policy", server_args.router_policy, "--worker-urls", *(w.url for w in workers),
-                   "--log-level", "warn",
+                   str(port), "--policy", server_args.router_policy, *worker_args, "--log-level", "warn",
                    # Its Prometheus exporter binds 29000 unless told otherwise; two routers must not collide.
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port("127.0.0.1"))]
         router = subprocess.Popen(command)
@@ -58,10 +64,26 @@ def serve_data_parallel(engine_args: EngineArgs, server_args: ServerArgs) -> int
             worker.stop()
 
 
-def _start_worker(engine_args: EngineArgs, server_args: ServerArgs) -> ServerProcess:
-    """One replica on a free loopback port; the cores are shared out between replicas unless set."""
+def _start_pd_workers(engine_args: EngineArgs, server_args: ServerArgs, workers: list[ServerProcess]) -> list[str]:
+    """dp_size prefill and dp_size decode servers (appended to `workers` as they start); the router's arguments."""
+    router_args = ["--pd-disaggregation"]
+    for _ in range(server_args.dp_size):
+        bootstrap = _free_port("127.0.0.1")
+        prefill = dataclasses.replace(engine_args, disaggregation_mode="prefill",
+                                      disaggregation_bootstrap_port=bootstrap)
+        workers.append(_start_worker(prefill, server_args, 2 * server_args.dp_size))
+        router_args += ["--prefill", workers[-1].url, str(bootstrap)]
+    for _ in range(server_args.dp_size):
+        decode = dataclasses.replace(engine_args, disaggregation_mode="decode")
+        workers.append(_start_worker(decode, server_args, 2 * server_args.dp_size))
+        router_args += ["--decode", workers[-1].url]
+    return router_args
+
+
+def _start_worker(engine_args: EngineArgs, server_args: ServerArgs, num_workers: int) -> ServerProcess:
+    """One server on a free loopback port; the cores are shared out between the servers unless set."""
     args = {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model_path"}
-    args["torch_num_threads"] = engine_args.torch_num_threads or max(1, engine_args.num_threads // server_args.dp_size)
+    args["torch_num_threads"] = engine_args.torch_num_threads or max(1, engine_args.num_threads // num_workers)
     extra = ["--graceful-shutdown-timeout", str(server_args.graceful_shutdown_timeout)]
     if server_args.served_model_name:
         extra += ["--served-model-name", server_args.served_model_name]

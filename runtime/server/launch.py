@@ -23,10 +23,10 @@ READY_PREFIX = "furcate server ready at "
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, then finish (or abort) in-flight requests and exit 0.
-    With dp_size > 1: replicas behind sglang-router (data_parallel.py)."""
+    With dp_size > 1 or pd_disaggregation: servers behind sglang-router (data_parallel.py)."""
     from ..engine import Engine
 
-    if server_args.dp_size > 1:
+    if server_args.dp_size > 1 or server_args.pd_disaggregation:
         from .data_parallel import serve_data_parallel
 
         return serve_data_parallel(engine_args, server_args)

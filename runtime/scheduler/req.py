@@ -147,3 +147,8 @@ class Req:
         if len(self.input_ids) + len(self.output_ids) >= context_length:
             return {"type": "length", "length": len(self.output_ids)}
         return None
+
+
+def bad_request(message: str, status: int = 400) -> dict[str, Any]:
+    """A finish reason the engine turns into an error for this request alone."""
+    return {"type": "abort", "message": message, "status_code": status}

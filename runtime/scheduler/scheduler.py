@@ -29,11 +29,13 @@ from .launch import FutureTokens, InlineLauncher, Launched, WorkerLauncher, aban
 from .model_runner import ModelRunner, SamplingInputs, StepResult
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
-from .req import Req
+from .rpc import SchedulerRpc
+from .transfers import TransferSteps
+from .req import Req, bad_request
 
 logger = logging.getLogger("furcate.scheduler")
 
-class Scheduler:
+class Scheduler(SchedulerRpc, TransferSteps):
     def __init__(self, args: EngineArgs, model_path: str, tokenizer_path: str, conn: Connection) -> None:
         self.args = args
         self.conn = conn
@@ -75,12 +77,6 @@ class Scheduler:
     def has_work(self) -> bool:
         """Something can be computed now (requests still compiling their grammar cannot)."""
         return bool(self.waiting or self.running or self.chunked_req)
-
-    @property
-    def transfers_pending(self) -> bool:
-        """Disaggregated serving: requests whose K/V are on their way out or in."""
-        side = self.prefill_sender or self.decode_receiver
-        return side is not None and side.pending
 
     @property
     def idle(self) -> bool:
@@ -237,40 +233,6 @@ class Scheduler:
                 self.chunked_req = None
             self.finish(req, {"type": "abort", "message": "aborted by request"})
 
-    def rpc_get_stats(self) -> dict[str, Any]:
-        runner = self.runner
-        return {
-            "forward_seconds": runner.forward_seconds,
-            "forward_calls": runner.forward_calls,
-            "kv_available": runner.kv_pool.available_size(),
-            "max_total_tokens": runner.max_total_tokens,
-            "evictable_tokens": self.cache.evictable_size(),
-            "protected_tokens": self.cache.protected_size(),
-            "req_slots_available": runner.req_pool.available_size(),
-            "max_running_requests": self.args.max_running_requests,
-            "running": len(self.running),
-            "waiting": len(self.waiting) + (self.chunked_req is not None),
-            "num_retractions": self.memory.num_retractions,
-            "evicted_tokens": self.memory.evicted_tokens,
-            "new_token_ratio": self.memory.new_token_ratio,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "cached_tokens_total": self.cached_tokens_total,
-            "jumped_tokens": self.jumped_tokens,
-            **self.grammars.stats(),
-            "transfers_in_flight": len(side.holding()) if (side := self.prefill_sender or self.decode_receiver) else 0,
-            **(self.prefill_sender.stats if self.prefill_sender else {}),
-        }
-
-    def rpc_flush_cache(self) -> bool:
-        """Drop the prefix cache; refused while requests are in flight (they hold parts of it)."""
-        return self.idle and self.cache.flush()
-
-    def rpc_check_integrity(self) -> bool:
-        side = self.prefill_sender or self.decode_receiver
-        held = side.holding() if side else []
-        self.memory.check_integrity(self.running + ([self.chunked_req] if self.chunked_req else []) + held)
-        return True
-
     # -- batching -------------------------------------------------------------------------------------------
 
     def next_batch(self) -> ScheduleBatch | None:
@@ -369,43 +331,6 @@ class Scheduler:
                 self.outputs.append(req.pending)
                 req.pending = None
 
-    def advance_transfers(self) -> None:
-        """Disaggregated serving: settle finished KV transfers, start new ones."""
-        if self.prefill_sender is not None:
-            for req, problem in self.prefill_sender.poll():
-                self.memory.release(req)  # the prompt's K/V are intact either way: cache them
-                if problem is not None:
-                    self.finish(req, bad_request(problem, 502))
-                elif req.pending is not None:  # else it was aborted meanwhile and has been answered
-                    self.finish(req, req.finish_reason)
-        if self.decode_receiver is not None:
-            for req, outcome in self.decode_receiver.poll():
-                self.land(req, outcome)
-            self.decode_receiver.start_queued(self.running, self.memory.new_token_ratio)
-
-    def land(self, req: Req, outcome: dict[str, Any]) -> None:
-        """Decode side: the prompt's K/V arrived with the first token (or the transfer failed)."""
-        token = outcome.get("first_token")
-        if "error" in outcome or not isinstance(token, int) or not 0 <= token < self.runner.vocab_size:
-            self.decode_receiver.discard(req)  # what those slots hold is not this prompt's K/V
-            if not req.finished:
-                self.finish(req, bad_request(f"prefill/decode KV transfer failed: {outcome.get('error', outcome)}",
-                                             502))
-            return
-        if req.finished:  # aborted while its K/V were on the way; they are good, so cache them
-            self.memory.release(req)
-            return
-        self.cache.cache_unfinished_req(req)
-        self.finish_prefill(req)
-        self.take_token(req, token, outcome.get("logprob"), outcome.get("top"))
-        if req.finished:
-            self.memory.release(req)
-            self.finish(req, req.finish_reason)
-            return
-        self.running.append(req)
-        self.outputs.append(req.pending)  # the first token goes out now, not with the next step's
-        req.pending = None
-
     def take_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         req.append_token(token, self.decode_tail, self.runner.context_length)
         out = req.output()
@@ -470,11 +395,6 @@ class Scheduler:
 
     def decode_tail(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-
-def bad_request(message: str, status: int = 400) -> dict[str, Any]:
-    """A finish reason the engine turns into an error for this request alone."""
-    return {"type": "abort", "message": message, "status_code": status}
 
 
 def receive(conn: Connection, block: bool, timeout: float | None = None) -> list[Any]:

@@ -117,8 +117,11 @@ def test_failed_transfers_fail_alone_and_a_killed_prefill_server_fails_requests_
                                  "--decode", decode.url])
     pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap}
     try:
-        response = _generate(prefill.url, "Nobody claims this", **pairing, bootstrap_room=7)
-        assert response.status_code == 502 and "no decode server claimed" in response.json()["error"]["message"]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the same room twice: the later one fails at once
+            twins = list(pool.map(lambda p: _generate(prefill.url, p, **pairing, bootstrap_room=7), ["Nobody", "No"]))
+        messages = sorted(r.json()["error"]["message"] for r in twins)
+        assert [r.status_code for r in twins] == [502, 502]
+        assert "is taken by a request" in messages[0] and "no decode server claimed" in messages[1], messages
         response = _generate(decode.url, "Nobody sends this", **pairing, bootstrap_room=8)
         assert response.status_code == 502 and "did not send" in response.json()["error"]["message"]
         for server in (prefill, decode):

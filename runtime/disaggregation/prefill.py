@@ -43,6 +43,7 @@ class PrefillSender:
         # Writes block until the bytes landed; two let one request's transfer overlap the next one's set-up.
         self.writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="furcate-kv-send")
         self.held: dict[int, Held] = {}
+        self.rooms: dict[int, int] = {}  # bootstrap_room -> id of the request holding it
         self.landed: queue.SimpleQueue[tuple[Req, str | None]] = queue.SimpleQueue()
         self.stats = {"kv_transfers": 0, "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0, "kv_transfer_failures": 0}
 
@@ -60,7 +61,12 @@ class PrefillSender:
         """The request has its first token: keep its K/V until a decode server claimed and received them."""
         slots = self.req_pool.req_to_token[req.req_pool_idx, : len(req.input_ids)].tolist()
         held = self.held[id(req)] = Held(req, time.monotonic() + self.timeout, slots, first_token(req))
-        self.registry.expect(req.bootstrap.room, lambda claim: self.writer.submit(self._send, held, claim))
+        room = req.bootstrap.room
+        if room in self.rooms:  # a claim could not tell the two apart: the later one fails
+            self.landed.put((req, f"bootstrap_room {room} is taken by a request still waiting for its decode server"))
+            return
+        self.rooms[room] = id(req)
+        self.registry.expect(room, lambda claim: self.writer.submit(self._send, held, claim))
 
     def poll(self) -> list[tuple[Req, str | None]]:
         """Requests whose K/V went out (None) or could not (the reason); their slots may be released now."""
@@ -71,10 +77,14 @@ class PrefillSender:
                 out.append((req, problem))
         now = time.monotonic()
         for key, held in list(self.held.items()):
-            if now > held.deadline and self.registry.forget(held.req.bootstrap.room):
+            if now > held.deadline and self.rooms.get(held.req.bootstrap.room) == key and \
+                    self.registry.forget(held.req.bootstrap.room):
                 del self.held[key]
                 out.append((held.req, f"no decode server claimed bootstrap_room {held.req.bootstrap.room} within "
                                       f"{self.timeout:g} s"))
+        for req, _ in out:
+            if self.rooms.get(req.bootstrap.room) == id(req):
+                del self.rooms[req.bootstrap.room]
         return out
 
     def _send(self, held: Held, claim: Claim) -> None:

@@ -14,6 +14,7 @@ GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf")
 MAX_DP_SIZE = 64
+MAX_TP_SIZE = 8
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "schedule_policy": SCHEDULE_POLICIES,
            "grammar_backend": GRAMMAR_BACKENDS, "router_policy": ROUTER_POLICIES,
@@ -38,6 +39,9 @@ class EngineArgs:
     quantization: str = "auto"
     # The torch device the model runs on.
     device: str = "cpu"
+    # Tensor parallelism: the model's heads, MLP columns and vocabulary split over this many processes (gloo on
+    # CPU, NCCL on GPU); the scheduler process is rank 0. Runs dense weights (quantization auto means none).
+    tp_size: int = 1
     # Longest prompt plus output per request; defaults to the model's own limit.
     context_length: int | None = None
     # Memory: an explicit token count wins over the fraction of free RAM.
@@ -95,6 +99,12 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if not 1 <= self.tp_size <= MAX_TP_SIZE:
+            raise ValueError(f"tp_size must be in [1, {MAX_TP_SIZE}], got {self.tp_size}")
+        if self.tp_size > 1 and self.quantization == "gguf":
+            raise ValueError("quantization='gguf' does not support tp_size > 1 (the quantized kernels hold whole "
+                             "tensors); use quantization='none' or 'auto', which run dense weights under tensor "
+                             "parallelism")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:

@@ -67,6 +67,7 @@ class SchedulerReady:
     vocab_size: int
     dtype: str = "float32"  # what dtype="auto" resolved to
     quantized_layers: int = 0  # linear layers running on quantized kernels
+    tp_size: int = 1  # processes the model is split over (tensor parallelism)
 
 
 @dataclass

@@ -25,6 +25,7 @@ def serve(conn: Connection) -> None:
     args, model_path, tokenizer_path = conn.recv()
     logging.basicConfig(level=args.log_level.upper())
     torch.set_num_threads(args.num_threads)
+    scheduler = None
     try:
         scheduler = Scheduler(args, model_path, tokenizer_path, conn)
         conn.send(scheduler.ready_message())
@@ -32,6 +33,9 @@ def serve(conn: Connection) -> None:
     except Exception:
         conn.send(SchedulerError(traceback.format_exc()))
         raise
+    finally:
+        if scheduler is not None:  # stop tensor-parallel followers before this process goes (engine.shutdown waits)
+            scheduler.runner.close()
 
 
 def main() -> None:

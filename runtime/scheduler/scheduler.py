@@ -62,6 +62,7 @@ class Scheduler:
             vocab_size=self.runner.vocab_size,
             dtype=str(self.runner.dtype).removeprefix("torch."),
             quantized_layers=len(self.runner.quantized_layers),
+            tp_size=self.runner.tp.size,
         )
 
     @property

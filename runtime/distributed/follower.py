@@ -7,6 +7,7 @@ It exits when rank 0 says stop or its pipe closes (rank 0 is gone).
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -47,6 +48,11 @@ def main() -> None:
         pass  # rank 0 went away; nothing is left to follow
     finally:
         pipe.close()
+    # Nothing is left to flush or finalize, and tearing down torch's modules takes about a second that rank 0
+    # (and so engine.shutdown()) would spend waiting for this process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Rank 0's side of tensor parallelism: start the follower ranks, join the group with them, drive their steps,
 and stop them.
 
-Each follower is a fresh interpreter (`python -m furcate.runtime.distributed.follower FD`), like the scheduler
-process, holding one end of a private socketpair. That pipe carries start-up (arguments in, ready or a traceback
+Each follower is a fresh interpreter, like the scheduler process, holding one end of a private socketpair
+(spawn.py). That pipe carries start-up (arguments in, ready or a traceback
 out), one small header per step, and the stop message; collectives carry the tensors. A follower waits for its
 next step on the pipe, not in a collective, so an idle server never times a collective out, and a follower whose
 rank 0 is gone sees the pipe close and exits.
@@ -11,9 +11,7 @@ rank 0 is gone sees the pipe close and exits.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -23,6 +21,7 @@ import torch
 from ..attention.base import ForwardBatch
 from ..config import EngineArgs
 from .parallel_state import TensorParallel, create_store, join_group, leave_group, rank_device
+from .spawn import Spawned
 from .step_sync import send_step
 
 STOP_TIMEOUT_S = 10
@@ -46,14 +45,12 @@ class FollowerFailed:
 
 
 class Followers:
-    """The tp_size - 1 follower processes of a rank-0 scheduler, started and joined to the group on creation."""
+    """The tp_size - 1 follower processes of a rank-0 scheduler, told what to load and joined to the group on
+    creation."""
 
-    def __init__(self, args: EngineArgs, model_path: str) -> None:
-        self.processes: list[subprocess.Popen] = []
-        self.pipes: list[Connection] = []
+    def __init__(self, args: EngineArgs, model_path: str, spawned: Spawned) -> None:
+        self.processes, self.pipes = spawned.processes, spawned.pipes
         try:
-            for _ in range(1, args.tp_size):
-                self._spawn()
             store = create_store(args.tp_size)
             for rank, pipe in enumerate(self.pipes, start=1):
                 start_args = dataclasses.replace(args, device=rank_device(args.device, rank))
@@ -62,13 +59,6 @@ class Followers:
         except BaseException:
             self.close(kill=True)
             raise
-
-    def _spawn(self) -> None:
-        ours, theirs = socket.socketpair()
-        with theirs:
-            command = [sys.executable, "-m", "furcate.runtime.distributed.follower", str(theirs.fileno())]
-            self.processes.append(subprocess.Popen(command, pass_fds=[theirs.fileno()]))
-        self.pipes.append(Connection(ours.detach()))
 
     def _join(self, tp: TensorParallel, device: str, store) -> None:
         """Join the group while watching the followers: one that dies before joining must fail start-up at once,

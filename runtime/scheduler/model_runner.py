@@ -15,6 +15,7 @@ from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..config import EngineArgs
 from ..distributed.followers import Followers
 from ..distributed.parallel_state import TensorParallel
+from ..distributed.spawn import Spawned, spawn_followers
 from ..distributed.step_sync import snapshot_table
 from ..model.layers import attention_shape
 from ..model.loader import load_config, load_model, resolve_dtype
@@ -47,10 +48,11 @@ class StepResult:
 
 
 class ModelRunner:
-    """rank: this process's tensor-parallel rank. Rank 0 (the scheduler's runner) starts the other ranks when
-    args.tp_size > 1 and has them run each of its forwards; a follower's runner only runs forwards."""
+    """rank: this process's tensor-parallel rank. Rank 0 (the scheduler's runner) drives the other ranks when
+    args.tp_size > 1 (spawned: their processes, when already started) and has them run each of its forwards; a
+    follower's runner only runs forwards."""
 
-    def __init__(self, args: EngineArgs, model_path: str, rank: int = 0) -> None:
+    def __init__(self, args: EngineArgs, model_path: str, rank: int = 0, spawned: Spawned | None = None) -> None:
         self.config = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype, self.config)
         self.tp = TensorParallel(rank, args.tp_size)
@@ -58,8 +60,9 @@ class ModelRunner:
         self.max_total_tokens = args.max_total_tokens or self._tokens_from_memory(args)
         self.followers: Followers | None = None
         if rank == 0 and self.tp.size > 1:
-            # Started before this rank loads, so every rank loads its shard at once; they share this pool size.
-            self.followers = Followers(dataclasses.replace(args, max_total_tokens=self.max_total_tokens), model_path)
+            # Told before this rank loads, so every rank loads its shard at once; they share this pool size.
+            self.followers = Followers(dataclasses.replace(args, max_total_tokens=self.max_total_tokens), model_path,
+                                       spawned or spawn_followers(self.tp.size - 1))
         try:
             self._load(args, model_path)
             if self.followers is not None:

@@ -17,6 +17,7 @@ from ...grammars.cache import GrammarCache, make_backend
 from ..cache.chunk_cache import ChunkCache
 from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
+from ..distributed.spawn import Spawned
 from ..io import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
@@ -31,10 +32,11 @@ from .req import Req
 logger = logging.getLogger("furcate.scheduler")
 
 class Scheduler:
-    def __init__(self, args: EngineArgs, model_path: str, tokenizer_path: str, conn: Connection) -> None:
+    def __init__(self, args: EngineArgs, model_path: str, tokenizer_path: str, conn: Connection,
+                 followers: Spawned | None = None) -> None:
         self.args = args
         self.conn = conn
-        self.runner = ModelRunner(args, model_path)
+        self.runner = ModelRunner(args, model_path, spawned=followers)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.eos_ids = eos_token_ids(self.runner.config, self.tokenizer)
         self.max_req_len = min(self.runner.context_length, self.runner.max_total_tokens)

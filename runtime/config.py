@@ -86,7 +86,8 @@ class EngineArgs:
     attention_backend: str = "torch_native"
     # Seed of the scheduler's sampling generator (requests may carry their own sampling_seed).
     random_seed: int = 0
-    # torch threads in the scheduler process; defaults to every core.
+    # torch threads in the scheduler process (and in each tensor-parallel rank); defaults to every core, shared
+    # evenly by the tensor-parallel ranks.
     torch_num_threads: int | None = None
     # Logging level of the scheduler process.
     log_level: str = "warning"
@@ -129,7 +130,7 @@ class EngineArgs:
 
     @property
     def num_threads(self) -> int:
-        return self.torch_num_threads or max(1, os.cpu_count() or 1)
+        return self.torch_num_threads or max(1, (os.cpu_count() or 1) // self.tp_size)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ PREFIX = "a long shared preamble about rivers and stones and the quiet old machi
 PROMPTS = [PREFIX + "first", PREFIX + "and then 42", PREFIX + "light " * 9, "the", "old machines sang; 3.14 never",
            "river of stone " * 12]
 PARAMS = [{"max_new_tokens": 3 + 2 * i, "temperature": 0, "ignore_eos": True} for i in range(len(PROMPTS))]
-LOGPROB_TOLERANCE = 1e-3
+LOGPROB_TOLERANCE = 1e-4  # the ranks' partial sums round differently; measured up to 8e-6
 
 
 def run_workload(engine: Engine) -> dict[str, list[dict]]:

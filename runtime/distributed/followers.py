@@ -50,6 +50,7 @@ class Followers:
 
     def __init__(self, args: EngineArgs, model_path: str, spawned: Spawned) -> None:
         self.processes, self.pipes = spawned.processes, spawned.pipes
+        self.device = args.device
         try:
             store = create_store(args.tp_size)
             for rank, pipe in enumerate(self.pipes, start=1):
@@ -116,7 +117,13 @@ class Followers:
 
     def run_step(self, forward: ForwardBatch, logit_rows: torch.Tensor) -> None:
         """Hand the followers this forward; they run it alongside rank 0 (every collective needs every rank)."""
-        send_step(forward, logit_rows, self.pipes)
+        try:
+            send_step(forward, logit_rows, self.pipes, self.device)
+        except OSError as error:
+            gone = [f"rank {rank} (exit code {p.poll()})" for rank, p in enumerate(self.processes, start=1)
+                    if p.poll() is not None]
+            raise RuntimeError(f"tensor-parallel {', '.join(gone) or 'rank'} is gone; the model cannot run "
+                               "without it") from error
 
     def close(self, kill: bool = False) -> None:
         """Stop every follower (asked first, killed if it does not go; killed at once after a failed start, when

@@ -45,14 +45,14 @@ def snapshot_table(forward: ForwardBatch) -> None:
     forward.tp_table = rows[_used(forward.seq_lens, width)]
 
 
-def send_step(forward: ForwardBatch, logit_rows: torch.Tensor, pipes: list) -> None:
-    """Rank 0: tell every follower the sizes, then broadcast the packed step."""
+def send_step(forward: ForwardBatch, logit_rows: torch.Tensor, pipes: list, device: str) -> None:
+    """Rank 0: tell every follower the sizes, then broadcast the packed step (from `device`: NCCL needs it there)."""
     parts = [forward.input_ids, forward.positions, forward.out_cache_loc, forward.req_pool_indices,
              forward.prefix_lens, forward.extend_lens, forward.seq_lens, logit_rows, forward.tp_table]
     header = StepHeader(len(forward.input_ids), len(forward.seq_lens), len(logit_rows), len(forward.tp_table))
     for pipe in pipes:
         pipe.send(header)
-    dist.broadcast(torch.cat(parts), src=0)
+    dist.broadcast(torch.cat(parts).to(device), src=0)
 
 
 def receive_step(header: StepHeader, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,

@@ -2,10 +2,10 @@
 and stop them.
 
 Each follower is a fresh interpreter, like the scheduler process, holding one end of a private socketpair
-(spawn.py). That pipe carries start-up (arguments in, ready or a traceback
-out), one small header per step, and the stop message; collectives carry the tensors. A follower waits for its
-next step on the pipe, not in a collective, so an idle server never times a collective out, and a follower whose
-rank 0 is gone sees the pipe close and exits.
+(spawn.py). That pipe carries start-up (arguments in, ready or a traceback out), one small header per step, and
+the stop message; collectives carry the tensors. A follower waits for its next step on the pipe, not in a
+collective, so an idle server never times a collective out, and a follower whose rank 0 is gone sees the pipe
+close and exits.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
+import torch.distributed as dist
 
 from ..attention.base import ForwardBatch
 from ..config import EngineArgs
@@ -61,7 +62,7 @@ class Followers:
             self.close(kill=True)
             raise
 
-    def _join(self, tp: TensorParallel, device: str, store) -> None:
+    def _join(self, tp: TensorParallel, device: str, store: dist.TCPStore) -> None:
         """Join the group while watching the followers: one that dies before joining must fail start-up at once,
         not leave rank 0 waiting out the rendezvous timeout."""
         failure: list[BaseException] = []
@@ -92,13 +93,13 @@ class Followers:
             if message != "ready":
                 raise self._start_error(rank, message)
 
-    def _send(self, rank: int, pipe: Connection, message) -> None:
+    def _send(self, rank: int, pipe: Connection, message: FollowerStart) -> None:
         try:
             pipe.send(message)
         except OSError:
             raise self._start_error(rank) from None
 
-    def _start_error(self, rank: int, message=None) -> RuntimeError:
+    def _start_error(self, rank: int, message: object = None) -> RuntimeError:
         """The clearest account of a follower's failed start: its traceback if it sent one, else its exit code."""
         pipe, process = self.pipes[rank - 1], self.processes[rank - 1]
         if message is None:
@@ -113,7 +114,7 @@ class Followers:
         except subprocess.TimeoutExpired:
             code = None
         return RuntimeError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code} during "
-                            f"start-up (its stderr is above)")
+                            "start-up (see its stderr)")
 
     def run_step(self, forward: ForwardBatch, logit_rows: torch.Tensor) -> None:
         """Hand the followers this forward; they run it alongside rank 0 (every collective needs every rank)."""

@@ -13,19 +13,23 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from furcate import Engine
 from furcate.cli import build_parser
 from furcate.runtime.config import EngineArgs
+from furcate.runtime.distributed.parallel_state import TensorParallel
 from furcate.runtime.distributed.spawn import spawn_followers
+from furcate.runtime.distributed.tp_layers import shard_tensor
+from furcate.runtime.model.loader import load_model
 
 from .conftest import ARCHS, EXACT, assert_pool_free
 
-# Prompts shorter than, and several times, the chunk size (chunked prefill), half of them behind a shared prefix
-# (radix cache hits once the first request cached it).
 # No grammar backend: grammars only touch rank 0's sampling, and building one costs seconds per engine start.
 ENGINE_ARGS = {**EXACT, "max_total_tokens": 3000, "chunked_prefill_size": 16, "torch_num_threads": 1,
                "grammar_backend": "none"}
+# Prompts shorter than, and several times, the chunk size (chunked prefill), half of them behind a shared prefix
+# (radix cache hits once the first request cached it).
 PREFIX = "a long shared preamble about rivers and stones and the quiet old machines that sang over the hills, "
 PROMPTS = [PREFIX + "first", PREFIX + "and then 42", PREFIX + "light " * 9, "the", "old machines sang; 3.14 never",
            "river of stone " * 12]
@@ -97,6 +101,31 @@ def test_tp_size_is_checked_before_any_process_starts(tiny_model_dirs, tmp_path)
     with pytest.raises(ValueError, match=r"must divide the model's intermediate_size \(130\)"):
         Engine(str(tmp_path), **ENGINE_ARGS, tp_size=4)
     assert build_parser().parse_args(["serve", "--tp-size", "2"]).tp_size == 2
+
+
+def test_each_rank_loads_only_its_shard(tiny_model_dirs):
+    """Rank 1 of 2 on qwen2 (q/k/v biases, tied embeddings), built without a process group: its parameters are its
+    slices of the full model's, q/k/v and gate/up each cut on its own inside the fused weights."""
+    full = load_model(str(tiny_model_dirs["qwen2"]), torch.float32)
+    shard = load_model(str(tiny_model_dirs["qwen2"]), torch.float32, tp=TensorParallel(rank=1, size=2))
+    attn, full_attn = shard.model.layers[0].self_attn, full.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+
+    def second_halves(tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return torch.cat([part.chunk(2)[1] for part in tensor.split(sizes)])
+
+    qkv_sizes = [full_attn.q_size, full_attn.kv_size, full_attn.kv_size]
+    assert torch.equal(attn.qkv_proj.weight, second_halves(full_attn.qkv_proj.weight, qkv_sizes))
+    assert torch.equal(attn.qkv_proj.bias, second_halves(full_attn.qkv_proj.bias, qkv_sizes))
+    assert torch.equal(attn.o_proj.weight, full_attn.o_proj.weight.chunk(2, dim=1)[1])
+    mlp, full_mlp = shard.model.layers[0].mlp, full.model.layers[0].mlp
+    assert torch.equal(mlp.gate_up_proj.weight, second_halves(full_mlp.gate_up_proj.weight, [128, 128]))
+    assert torch.equal(mlp.down_proj.weight, full_mlp.down_proj.weight.chunk(2, dim=1)[1])
+    assert torch.equal(shard.model.embed_tokens.weight, full.model.embed_tokens.weight.chunk(2)[1])
+    assert shard.lm_head.weight is shard.model.embed_tokens.weight
+    # A vocabulary that does not split evenly: the last rank's range is padded with zero rows.
+    padded = shard_tensor("lm_head.weight", torch.arange(1.0, 11.0).view(5, 2), TensorParallel(rank=1, size=2))
+    assert padded.tolist() == [[7.0, 8.0], [9.0, 10.0], [0.0, 0.0]]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

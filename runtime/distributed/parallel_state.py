@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 # Collectives only run while every rank computes the same step (followers idle on a pipe, not in a collective),
@@ -41,7 +42,7 @@ def backend_for(device: str) -> str:
 
 
 def rank_device(device: str, rank: int) -> str:
-    """One GPU per rank: a bare "cuda" means cuda:<rank>; CPU ranks all share "cpu"."""
+    """One GPU per rank: a bare "cuda" means cuda:<rank> (an explicit cuda:N is kept); CPU ranks share "cpu"."""
     return f"cuda:{rank}" if device == "cuda" else device
 
 
@@ -54,6 +55,8 @@ def join_group(tp: TensorParallel, device: str, store: dist.TCPStore | None = No
     """Join the group: rank 0 passes its store, followers the store's port."""
     if store is None:
         store = dist.TCPStore(LOOPBACK, port, tp.size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    if device.startswith("cuda"):  # NCCL binds each rank's communicator to its current device
+        torch.cuda.set_device(rank_device(device, tp.rank))
     dist.init_process_group(backend_for(device), store=store, rank=tp.rank, world_size=tp.size,
                             timeout=COLLECTIVE_TIMEOUT)
 

@@ -10,6 +10,7 @@ built, since with the overlap loop the scheduler edits the table while the forwa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ def snapshot_table(forward: ForwardBatch) -> None:
     forward.tp_table = rows[_used(forward.seq_lens, width)]
 
 
-def send_step(forward: ForwardBatch, logit_rows: torch.Tensor, pipes: list, device: str) -> None:
+def send_step(forward: ForwardBatch, logit_rows: torch.Tensor, pipes: list[Connection], device: str) -> None:
     """Rank 0: tell every follower the sizes, then broadcast the packed step (from `device`: NCCL needs it there)."""
     parts = [forward.input_ids, forward.positions, forward.out_cache_loc, forward.req_pool_indices,
              forward.prefix_lens, forward.extend_lens, forward.seq_lens, logit_rows, forward.tp_table]

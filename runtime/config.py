@@ -14,6 +14,7 @@ GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf")
 MAX_DP_SIZE = 64
+MAX_TP_SIZE = 8
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "nixl")
@@ -41,6 +42,9 @@ class EngineArgs:
     quantization: str = "auto"
     # The torch device the model runs on.
     device: str = "cpu"
+    # Tensor parallelism: the model's heads, MLP columns and vocabulary split over this many processes (gloo on
+    # CPU, NCCL on GPU); the scheduler process is rank 0. Runs dense weights (quantization auto means none).
+    tp_size: int = 1
     # Longest prompt plus output per request; defaults to the model's own limit.
     context_length: int | None = None
     # Memory: an explicit token count wins over the fraction of free RAM.
@@ -85,7 +89,8 @@ class EngineArgs:
     attention_backend: str = "torch_native"
     # Seed of the scheduler's sampling generator (requests may carry their own sampling_seed).
     random_seed: int = 0
-    # torch threads in the scheduler process; defaults to every core.
+    # torch threads in the scheduler process (and in each tensor-parallel rank); defaults to every core, shared
+    # evenly by the tensor-parallel ranks.
     torch_num_threads: int | None = None
     # Logging level of the scheduler process.
     log_level: str = "warning"
@@ -109,6 +114,12 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if not 1 <= self.tp_size <= MAX_TP_SIZE:
+            raise ValueError(f"tp_size must be in [1, {MAX_TP_SIZE}], got {self.tp_size}")
+        if self.tp_size > 1 and self.quantization == "gguf":
+            raise ValueError("quantization='gguf' does not support tp_size > 1 (the quantized kernels hold whole "
+                             "tensors); use quantization='none' or 'auto', which run dense weights under tensor "
+                             "parallelism")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
@@ -142,13 +153,16 @@ class EngineArgs:
         if not 1 <= self.disaggregation_bootstrap_port <= 65535:
             raise ValueError(f"disaggregation_bootstrap_port must be in [1, 65535], got "
                              f"{self.disaggregation_bootstrap_port}")
+        if self.disaggregation_mode != "null" and self.tp_size > 1:
+            raise ValueError("disaggregation_mode prefill/decode does not support tp_size > 1 yet: the KV transfer "
+                             "moves one process's KV pool")
         if not 0 < self.disaggregation_timeout < float("inf"):
             raise ValueError(f"disaggregation_timeout must be a positive number of seconds, got "
                              f"{self.disaggregation_timeout}")
 
     @property
     def num_threads(self) -> int:
-        return self.torch_num_threads or max(1, os.cpu_count() or 1)
+        return self.torch_num_threads or max(1, (os.cpu_count() or 1) // self.tp_size)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -25,7 +25,8 @@ from transformers import AutoTokenizer
 
 from .config import EngineArgs
 from .io import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
-from .model.loader import resolve_model_path
+from .distributed.tp_layers import check_tp_size
+from .model.loader import load_config, resolve_model_path
 from .request_builder import RequestBuilder
 from .request_state import RequestState
 from .scheduler.process import AUTHKEY_ENV
@@ -77,6 +78,8 @@ class Engine:
     def __init__(self, model_path: str = "default", **kwargs: Any) -> None:
         self.args = EngineArgs(model_path=model_path, **kwargs)
         self.model_path = resolve_model_path(model_path)
+        if self.args.tp_size > 1:  # a model that cannot be split fails here, before any process starts
+            check_tp_size(load_config(self.model_path), self.args.tp_size)
         self.tokenizer_path = self.args.tokenizer_path or self.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         self._send_lock = threading.Lock()

@@ -78,6 +78,7 @@ class SchedulerReady:
     dtype: str = "float32"  # what dtype="auto" resolved to
     quantized_layers: int = 0  # linear layers running on quantized kernels
     disaggregation_mode: str = "null"
+    tp_size: int = 1  # processes the model is split over (tensor parallelism)
 
 
 class PeerServerError(RuntimeError):

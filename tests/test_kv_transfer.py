@@ -124,3 +124,18 @@ def test_bootstrap_fields_are_checked_per_mode(tokenizer, mode):
         build(params={"n": 2}, **pairing)
     with pytest.raises(ValueError, match="max_new_tokens >= 1"):
         build(params={"max_new_tokens": 0}, **pairing)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"disaggregation_mode": "both"}, "disaggregation_mode"),
+    ({"disaggregation_transfer_backend": "rdma"}, "disaggregation_transfer_backend"),
+    ({"disaggregation_bootstrap_port": 0}, "disaggregation_bootstrap_port"),
+    ({"disaggregation_timeout": float("nan")}, "disaggregation_timeout"),
+    ({"disaggregation_timeout": 0}, "disaggregation_timeout"),
+    ({"disaggregation_mode": "decode", "tp_size": 2}, "tp_size"),
+])
+def test_disaggregation_arguments_are_checked(fields, message):
+    from furcate.runtime.config import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**fields)

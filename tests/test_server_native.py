@@ -65,6 +65,7 @@ def test_model_and_server_info(server, tiny_model_dirs):
     for path in ("/server_info", "/get_server_info"):
         body = requests.get(f"{server}{path}", timeout=30).json()
         assert body["max_total_tokens"] > 0 and body["internal_states"][0]["max_total_tokens"] > 0
+        assert body["tp_size"] == 1
         assert "api_key" not in body
 
 

@@ -30,6 +30,8 @@ class ForwardBatch:
     # Filled by the attention backend's init_forward_metadata, on the scheduler thread, before the forward runs
     # (with the overlap loop the forward runs on a worker while the scheduler edits the request table).
     attn_metadata: Any = None
+    # Tensor parallel: the request-table entries followers copy, snapshotted beside attn_metadata for the same reason.
+    tp_table: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

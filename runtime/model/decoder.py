@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from ..attention.base import AttentionBackend, ForwardBatch
+from ..distributed.parallel_state import SINGLE, TensorParallel
+from ..distributed.tp_layers import embedding, lm_head, shard_tensor
 from .layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 
 
@@ -50,7 +52,7 @@ def layer_window(config, family: Family, layer_id: int) -> int | None:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, family: Family, layer_id: int) -> None:
+    def __init__(self, config, family: Family, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.self_attn = Attention(
@@ -60,8 +62,9 @@ class DecoderLayer(nn.Module):
             o_bias=attention_bias if family.o_bias is None else family.o_bias,
             qk_norm=family.qk_norm,
             sliding_window=layer_window(config, family, layer_id),
+            tp=tp,
         )
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -71,23 +74,25 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, family: Family) -> None:
+    def __init__(self, config, family: Family, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, family, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, family, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(config, head_dim)
 
 
 class DecoderForCausalLM(nn.Module):
-    """forward() returns final hidden states of all tokens; compute_logits() projects only the rows asked for."""
+    """forward() returns final hidden states of all tokens; compute_logits() projects only the rows asked for.
+    With tp (tensor parallelism) this rank holds its shard of every split parameter; see distributed/tp_layers."""
 
-    def __init__(self, config, family: Family) -> None:
+    def __init__(self, config, family: Family, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, family)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(config, family, tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -117,6 +122,8 @@ class DecoderForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[target]
+            if self.tp.size > 1:
+                tensor = shard_tensor(name, tensor, self.tp)
             with torch.no_grad():
                 if shard is None:
                     param.copy_(tensor)

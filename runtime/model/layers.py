@@ -7,6 +7,8 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention.base import AttentionBackend
+from ..distributed.parallel_state import SINGLE, TensorParallel
+from ..distributed.tp_layers import row_linear
 
 
 class RMSNorm(nn.Module):
@@ -53,21 +55,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GatedMLP(nn.Module):
-    """SiLU-gated MLP with gate and up projections fused into one matmul."""
+    """SiLU-gated MLP with gate and up projections fused into one matmul. Under tensor parallelism each rank holds
+    a slice of the intermediate columns (gate and up alike), and down_proj sums the slices."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.intermediate_size = tp.shard(intermediate_size)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = row_linear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of the whole model."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    return num_heads, num_kv_heads, getattr(config, "head_dim", None) or config.hidden_size // num_heads
+
+
 class Attention(nn.Module):
-    """Multi-head attention with GQA, fused QKV, optional q/k RMSNorm (Qwen3) and sliding window (Mistral)."""
+    """Multi-head attention with GQA, fused QKV, optional q/k RMSNorm (Qwen3) and sliding window (Mistral).
+    Under tensor parallelism each rank holds a slice of the query heads and the matching slice of KV heads."""
 
     def __init__(
         self,
@@ -77,18 +89,18 @@ class Attention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         sliding_window: int | None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        num_heads, num_kv_heads, self.head_dim = attention_shape(config)
+        self.num_heads, self.num_kv_heads = tp.shard(num_heads), tp.shard(num_kv_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = row_linear(num_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 

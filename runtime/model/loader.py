@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from ..distributed.parallel_state import SINGLE, TensorParallel
 from .decoder import FAMILIES, DecoderForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,7 +68,9 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: str = "cpu") -> DecoderForCausalLM:
+def load_model(model_path: str, dtype: torch.dtype, device: str = "cpu",
+               tp: TensorParallel = SINGLE) -> DecoderForCausalLM:
+    """The model, or with tp this rank's shard of it (each tensor is cut as it is read)."""
     config = load_config(model_path)
     architecture = architecture_of(config)
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
@@ -77,7 +80,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: str = "cpu") -> Deco
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = DecoderForCausalLM(config, FAMILIES[architecture])
+            model = DecoderForCausalLM(config, FAMILIES[architecture], tp)
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(_iter_safetensors(files))

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.base import ForwardBatch
 from ..attention.torch_native import TorchNativeAttention
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..config import EngineArgs
+from ..distributed.followers import Followers
+from ..distributed.parallel_state import TensorParallel
+from ..distributed.spawn import Spawned, spawn_followers
+from ..distributed.step_sync import snapshot_table
+from ..model.layers import attention_shape
 from ..model.loader import load_config, load_model, resolve_dtype
-from ..model.quantize import apply_quantization
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
@@ -42,14 +48,39 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_path: str) -> None:
+    """rank: this process's tensor-parallel rank. Rank 0 (the scheduler's runner) drives the other ranks when
+    args.tp_size > 1 (spawned: their processes, when already started) and has them run each of its forwards; a
+    follower's runner only runs forwards."""
+
+    def __init__(self, args: EngineArgs, model_path: str, rank: int = 0, spawned: Spawned | None = None) -> None:
         self.config = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype, self.config)
-        self.model = load_model(model_path, self.dtype, args.device)
-        self.quantized_layers = apply_quantization(self.model, args.quantization, model_path)
+        self.tp = TensorParallel(rank, args.tp_size)
         self.context_length = args.context_length or self.config.max_position_embeddings
-        attn = self.model.model.layers[0].self_attn
-        self.max_total_tokens = args.max_total_tokens or self._tokens_from_memory(args, attn)
+        self.max_total_tokens = args.max_total_tokens or self._tokens_from_memory(args)
+        self.followers: Followers | None = None
+        if rank == 0 and self.tp.size > 1:
+            # Told before this rank loads, so every rank loads its shard at once; they share this pool size.
+            self.followers = Followers(dataclasses.replace(args, max_total_tokens=self.max_total_tokens), model_path,
+                                       spawned or spawn_followers(self.tp.size - 1))
+        try:
+            self._load(args, model_path)
+            if self.followers is not None:
+                self.followers.wait_ready()
+        except BaseException:
+            if self.followers is not None:
+                self.followers.close(kill=True)
+            raise
+
+    def _load(self, args: EngineArgs, model_path: str) -> None:
+        self.model = load_model(model_path, self.dtype, args.device, self.tp)
+        self.quantized_layers: list[str] = []
+        # The GGUF kernels hold whole tensors, so a split model runs dense (config refuses an explicit "gguf").
+        if args.quantization != "none" and self.tp.size == 1:
+            from ..model.quantize import apply_quantization  # gguf and its readers: not worth importing otherwise
+
+            self.quantized_layers = apply_quantization(self.model, args.quantization, model_path)
+        attn = self.model.model.layers[0].self_attn  # this rank's KV heads
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length + 1, args.device)
         self.kv_pool = TokenToKVPool(
             self.max_total_tokens, len(self.model.model.layers), attn.num_kv_heads, attn.head_dim, self.dtype,
@@ -61,10 +92,10 @@ class ModelRunner:
         self.forward_calls = 0
         self.future_tokens = FutureTokens(args.device)
 
-    def _tokens_from_memory(self, args: EngineArgs, attn) -> int:
-        per_token = TokenToKVPool.bytes_per_token(
-            len(self.model.model.layers), attn.num_kv_heads, attn.head_dim, self.dtype
-        )
+    def _tokens_from_memory(self, args: EngineArgs) -> int:
+        # Every KV head counts, also under tensor parallelism: the ranks' pools share this host's memory.
+        _, num_kv_heads, head_dim = attention_shape(self.config)
+        per_token = TokenToKVPool.bytes_per_token(self.config.num_hidden_layers, num_kv_heads, head_dim, self.dtype)
         budget = int(available_memory_bytes() * args.mem_fraction_static)
         return max(budget // per_token, 256)
 
@@ -72,6 +103,8 @@ class ModelRunner:
         """Everything of a forward that reads scheduler state; runs on the scheduler thread."""
         self.future_tokens.reserve(batch)
         self.attn_backend.init_forward_metadata(batch.forward)
+        if self.followers is not None:
+            snapshot_table(batch.forward)
 
     def run_batch(self, batch: ScheduleBatch, sampling_inputs: Future) -> StepResult:
         """Forward, then sample once the scheduler has given the sampling inputs (grammar masks)."""
@@ -84,12 +117,24 @@ class ModelRunner:
         started = time.perf_counter()
         forward = batch.forward
         forward.input_ids = self.future_tokens.resolve(forward.input_ids)
-        hidden = self.model(forward, self.attn_backend)
         rows = torch.tensor([i for r in batch.logit_ranges for i in r], dtype=torch.long)
-        logits = self.model.compute_logits(hidden[rows])
+        if self.followers is not None:
+            self.followers.run_step(forward, rows)
+        logits = self.run_forward(forward, rows)
         self.forward_seconds += time.perf_counter() - started
         self.forward_calls += 1
         return logits
+
+    def run_forward(self, forward: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+        """The model over a laid-out batch, then the logits of `rows`; every tensor-parallel rank runs this."""
+        hidden = self.model(forward, self.attn_backend)
+        return self.model.compute_logits(hidden[rows])
+
+    def close(self) -> None:
+        """Stop the follower ranks (nothing to do without tensor parallelism)."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
 
     def sample(self, batch: ScheduleBatch, logits: torch.Tensor, inputs: SamplingInputs) -> StepResult:
         per_slice = logits.split([len(r) for r in batch.logit_ranges])

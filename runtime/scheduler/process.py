@@ -17,21 +17,30 @@ AUTHKEY_ENV = "FURCATE_SCHEDULER_AUTHKEY"
 
 
 def serve(conn: Connection) -> None:
+    from ..distributed.spawn import spawn_followers
+
+    args, model_path, tokenizer_path = conn.recv()
+    # Tensor-parallel followers import torch and the model code while this process does the same.
+    followers = spawn_followers(args.tp_size - 1) if args.tp_size > 1 else None
+
     import torch
 
     from ..io import SchedulerError
     from .scheduler import Scheduler
 
-    args, model_path, tokenizer_path = conn.recv()
     logging.basicConfig(level=args.log_level.upper())
     torch.set_num_threads(args.num_threads)
+    scheduler = None
     try:
-        scheduler = Scheduler(args, model_path, tokenizer_path, conn)
+        scheduler = Scheduler(args, model_path, tokenizer_path, conn, followers)
         conn.send(scheduler.ready_message())
         scheduler.event_loop()
     except Exception:
         conn.send(SchedulerError(traceback.format_exc()))
         raise
+    finally:
+        if scheduler is not None:  # stop tensor-parallel followers before this process goes (engine.shutdown waits)
+            scheduler.runner.close()
 
 
 def main() -> None:

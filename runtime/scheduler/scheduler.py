@@ -20,6 +20,7 @@ from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
 from ..disaggregation.decode import DecodeReceiver
 from ..disaggregation.prefill import PrefillSender
+from ..distributed.spawn import Spawned
 from ..io import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
@@ -36,10 +37,11 @@ from .req import Req, bad_request
 logger = logging.getLogger("furcate.scheduler")
 
 class Scheduler(SchedulerRpc, TransferSteps):
-    def __init__(self, args: EngineArgs, model_path: str, tokenizer_path: str, conn: Connection) -> None:
+    def __init__(self, args: EngineArgs, model_path: str, tokenizer_path: str, conn: Connection,
+                 followers: Spawned | None = None) -> None:
         self.args = args
         self.conn = conn
-        self.runner = ModelRunner(args, model_path)
+        self.runner = ModelRunner(args, model_path, spawned=followers)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.eos_ids = eos_token_ids(self.runner.config, self.tokenizer)
         self.max_req_len = min(self.runner.context_length, self.runner.max_total_tokens)
@@ -71,6 +73,7 @@ class Scheduler(SchedulerRpc, TransferSteps):
             dtype=str(self.runner.dtype).removeprefix("torch."),
             quantized_layers=len(self.runner.quantized_layers),
             disaggregation_mode=self.args.disaggregation_mode,
+            tp_size=self.runner.tp.size,
         )
 
     @property

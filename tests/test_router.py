@@ -7,11 +7,11 @@ import socket
 from pathlib import Path
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
 
+from furcate.runtime.server.data_parallel import _wait_ready
 from furcate.runtime.server.launch import ServerProcess
 
 from .conftest import EXACT, TINY_POOL_TOKENS, assert_server_pool_free
@@ -44,18 +44,12 @@ def router(workers):
                                 "--log-level", "warn", "--prometheus-port", str(_free_port())],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, "sglang-router did not start"
-        time.sleep(0.2)
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    try:
+        _wait_ready(url, process, len(workers))
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def test_generate_through_the_router_equals_a_single_server(router, tiny_server):

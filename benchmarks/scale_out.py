@@ -120,6 +120,11 @@ def engine_facts(worker: str) -> dict:
                                  "schedule_policy", "chunked_prefill_size", "model_path") if k in info}
 
 
+def common_engine_facts(facts: dict) -> dict:
+    """What every deployment shares (threads and pool size differ by deployment)."""
+    return {k: v for k, v in facts.items() if k not in ("torch_num_threads", "max_total_num_tokens")}
+
+
 def run_deployment(deployment: Deployment, workload: Workload, mode: Mode, seed: int, policy: Policy) -> dict:
     started = time.perf_counter()
     server = start(deployment)
@@ -134,6 +139,13 @@ def run_deployment(deployment: Deployment, workload: Workload, mode: Mode, seed:
                 "startup_and_run_seconds": time.perf_counter() - started, **row}
     finally:
         server.stop()
+
+
+def kv_for_half_the_groups(args: argparse.Namespace) -> int:
+    """A dp-2 worker's pool: half of the groups' prefixes plus half of the requests in flight, 15% to spare. A
+    worker that is sent every group cannot keep all prefixes cached in it; one sent half of them can."""
+    request_tokens = args.prefix_len + args.suffix_len + args.output_len
+    return int(1.15 * (args.groups * args.prefix_len + args.concurrency * request_tokens) / 2)
 
 
 def dp_workload(tokenizer, args: argparse.Namespace) -> Workload:
@@ -166,7 +178,7 @@ def run_dp(args: argparse.Namespace) -> dict:
     mode = Mode(f"conc={args.concurrency}", concurrency=args.concurrency)
     policy = Policy(args.wait_idle, args.retries)
     rows: dict[str, dict] = {}
-    for deployment in dp_deployments(args.cores, args.kv_per_worker):
+    for deployment in dp_deployments(args.cores, args.kv_per_worker or kv_for_half_the_groups(args)):
         print(f"{deployment.label}: starting (load {loadavg()})", flush=True)
         rows[deployment.label] = run_deployment(deployment, workload, mode, args.seed, policy)
         print("  " + brief(rows[deployment.label]), flush=True)
@@ -210,8 +222,8 @@ def dp_markdown(section: dict) -> list[str]:
              f"{w['output_tokens']} output tokens; {section['arrivals']} (requests in flight), every request "
              "streamed through native `/generate`, greedy, ignore_eos. An oracle that computes each distinct "
              f"prefix once would hit {w['oracle_hit_rate']:.1%}.", "",
-             f"Engine: default model, `{json.dumps(first['engine'])}` (first worker of the first deployment). "
-             "KV pool and threads per worker are in the table. The groups' prefixes total "
+             f"Engine: default model, `{json.dumps(common_engine_facts(first['engine']))}`; KV pool and threads "
+             "per worker are in the table (each deployment's own in the JSON). The groups' prefixes total "
              f"{w['prefix_tokens_all_groups']} tokens: a dp-2 worker that gets every group must hold them all "
              "next to its running requests, one that gets half of the groups only half.", "",
              "| deployment | threads x workers | KV tokens per worker | "
@@ -226,6 +238,12 @@ def dp_markdown(section: dict) -> list[str]:
               f"{fmt(r['e2e_mean_s'], '{:.2f}x')} (below 1 is faster).", ""]
     if retried:
         lines += [f"Measured again because other processes took over 5% of the CPU: {', '.join(retried)}.", ""]
+    busy = [label for label, row in rows.items() if row["disturbed"]]
+    if busy:
+        lines += [f"Other processes still took over 5% of the CPU during: {', '.join(busy)}; treat those figures "
+                  "as rough. A stolen core hurts one 2-thread server (its threads wait for each other at every "
+                  "parallel region) more than two 1-thread workers, so the single server's row suffers most; the "
+                  "hit rates much less so.", ""]
     lines += ["What this machine cannot show: it has 2 cores, so the two workers of a dp-2 deployment share the "
               "cores one single server would use (1 thread each instead of 2). Throughput gained from data "
               "parallelism itself (more hardware serving at once) is not measurable here; the dp-2 vs single "
@@ -265,11 +283,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--suffix-len", type=int, default=24, help="dp: tokens of each question")
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8, help="dp: requests in flight")
-    parser.add_argument("--kv-per-worker", type=int, default=5120,
-                        help="dp: KV pool tokens of each dp-2 worker (the single server gets twice this)")
+    parser.add_argument("--kv-per-worker", type=int, default=None,
+                        help="dp: KV pool tokens of each dp-2 worker, the single server gets twice this "
+                             "(default: half of the groups' prefixes and of the requests in flight, +15%%)")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                         help="torch threads of the single server; each dp-2 worker gets half")
-    parser.add_argument("--wait-idle", type=float, default=60.0,
+    parser.add_argument("--wait-idle", type=float, default=20.0,
                         help="before each timed run, wait up to this many seconds for other processes to go quiet")
     parser.add_argument("--retries", type=int, default=1,
                         help="measure a run again (at most this often) when other processes took its CPU")
@@ -278,7 +297,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.groups, args.prompts_per_group, args.prefix_len, args.suffix_len = 6, 3, 96, 8
-        args.output_len, args.concurrency, args.kv_per_worker, args.wait_idle = 4, 4, 1024, 5.0
+        args.output_len, args.concurrency, args.wait_idle = 4, 4, 5.0
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {sorted(SECTIONS)}")

@@ -55,15 +55,23 @@ class Deployment:
     dp_size: int
     router_policy: str | None  # None: a single server, no router
     threads_per_worker: int
-    kv_tokens_per_worker: int
+    kv_tokens_per_worker: int | None  # None: the engine's default pool (sized from free memory)
+
+
+# The policy pairs compared: (cache_aware label, round_robin label, what their pools are).
+PAIRS = [("dp 2, cache_aware", "dp 2, round_robin", "pools sized to half of the groups"),
+         ("dp 2, cache_aware, default pool", "dp 2, round_robin, default pool", "default pools (from free memory)")]
 
 
 def dp_deployments(cores: int, kv_per_worker: int) -> list[Deployment]:
-    # Same cores and same KV memory in total for every deployment: the two workers split them, the single
-    # server has them all.
+    # Same cores and same KV memory in total for the first three: the two workers split them, the single server
+    # has them all. The default-pool pair then shows what is left of the gap once capacity is no constraint.
+    half = max(1, cores // 2)
     return [Deployment("single server (dp 1)", 1, None, cores, 2 * kv_per_worker),
-            Deployment("dp 2, cache_aware", 2, "cache_aware", max(1, cores // 2), kv_per_worker),
-            Deployment("dp 2, round_robin", 2, "round_robin", max(1, cores // 2), kv_per_worker)]
+            Deployment(PAIRS[0][0], 2, "cache_aware", half, kv_per_worker),
+            Deployment(PAIRS[0][1], 2, "round_robin", half, kv_per_worker),
+            Deployment(PAIRS[1][0], 2, "cache_aware", half, None),
+            Deployment(PAIRS[1][1], 2, "round_robin", half, None)]
 
 
 def start(deployment: Deployment) -> ServerProcess:
@@ -114,10 +122,13 @@ def measure_once(system: FurcateServer, workers: list[str], workload: Workload, 
                   "requests_per_worker": [requests_served(w) - b for w, b in zip(workers, served_before)]}
 
 
-def engine_facts(worker: str) -> dict:
-    info = requests.get(f"{worker}/get_server_info", timeout=30).json()
-    return {k: info[k] for k in ("resolved_dtype", "quantized_layers", "torch_num_threads", "max_total_num_tokens",
-                                 "schedule_policy", "chunked_prefill_size", "model_path") if k in info}
+def engine_facts(workers: list[str]) -> dict:
+    """The first worker's settings, and every worker's KV pool (default pools differ: each worker sizes its own
+    from the memory free when it starts)."""
+    infos = [requests.get(f"{w}/get_server_info", timeout=30).json() for w in workers]
+    facts = {k: infos[0][k] for k in ("resolved_dtype", "quantized_layers", "torch_num_threads", "schedule_policy",
+                                      "chunked_prefill_size", "model_path") if k in infos[0]}
+    return facts | {"max_total_num_tokens": [info["max_total_num_tokens"] for info in infos]}
 
 
 def common_engine_facts(facts: dict) -> dict:
@@ -135,7 +146,7 @@ def run_deployment(deployment: Deployment, workload: Workload, mode: Mode, seed:
         load = loadavg()  # the load average lags by minutes; the idle check in steady() is the sharper figure
         once = functools.partial(measure_once, system, workers, workload, mode, seed)
         row = steady(policy, deployment.label, once)
-        return {"deployment": asdict(deployment), "loadavg_before": load, "engine": engine_facts(workers[0]),
+        return {"deployment": asdict(deployment), "loadavg_before": load, "engine": engine_facts(workers),
                 "startup_and_run_seconds": time.perf_counter() - started, **row}
     finally:
         server.stop()
@@ -158,9 +169,7 @@ def dp_workload(tokenizer, args: argparse.Namespace) -> Workload:
     return workload
 
 
-def dp_ratios(rows: dict[str, dict]) -> dict:
-    aware, robin = rows["dp 2, cache_aware"], rows["dp 2, round_robin"]
-
+def dp_ratios(aware: dict, robin: dict) -> dict:
     def ratio(key: str) -> float | None:
         return aware[key] / robin[key] if aware.get(key) and robin.get(key) else None
 
@@ -187,7 +196,8 @@ def run_dp(args: argparse.Namespace) -> dict:
                          "requests": len(workload.requests), "prompt_tokens": workload.prompt_tokens,
                          "output_tokens": workload.output_tokens, "prefix_tokens_all_groups":
                          args.groups * args.prefix_len, "oracle_hit_rate": oracle_hit_rate(prompts)},
-            "arrivals": mode.name, "deployments": rows, "ratios_cache_aware_over_round_robin": dp_ratios(rows),
+            "arrivals": mode.name, "deployments": rows,
+            "ratios_cache_aware_over_round_robin": {pools: dp_ratios(rows[a], rows[r]) for a, r, pools in PAIRS},
             "waited_seconds": policy.waited_s}
 
 
@@ -213,7 +223,7 @@ DP_COLUMNS = [("req/s", "requests_per_s", "{:.2f}"), ("out tok/s", "output_tok_s
 
 
 def dp_markdown(section: dict) -> list[str]:
-    w, rows, r = section["workload"], section["deployments"], section["ratios_cache_aware_over_round_robin"]
+    w, rows, ratios = section["workload"], section["deployments"], section["ratios_cache_aware_over_round_robin"]
     first = next(iter(rows.values()))
     retried = [f"{label} ({len(row['discarded_attempts_foreign_cpu'])}x)" for label, row in rows.items()
                if row.get("discarded_attempts_foreign_cpu")]
@@ -229,13 +239,15 @@ def dp_markdown(section: dict) -> list[str]:
              "| deployment | threads x workers | KV tokens per worker | "
              + " | ".join(c[0] for c in DP_COLUMNS) + " |", "|---" * (len(DP_COLUMNS) + 3) + "|"]
     for label, row in rows.items():
-        d = row["deployment"]
+        d, pool = row["deployment"], ", ".join(map(str, row["engine"]["max_total_num_tokens"]))
         cells = [fmt(row.get(key), spec) for _, key, spec in DP_COLUMNS]
-        lines.append(f"| {label} | {d['threads_per_worker']} x {d['dp_size']} | {d['kv_tokens_per_worker']} | "
-                     + " | ".join(cells) + " |")
-    lines += ["", f"cache_aware / round_robin: hit rate {fmt(r['cache_hit_rate'], '{:.2f}x')}, output tok/s "
-              f"{fmt(r['output_tok_s'], '{:.2f}x')}, req/s {fmt(r['requests_per_s'], '{:.2f}x')}, mean E2E "
-              f"{fmt(r['e2e_mean_s'], '{:.2f}x')} (below 1 is faster).", ""]
+        lines.append(f"| {label} | {d['threads_per_worker']} x {d['dp_size']} | {pool} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for pools, r in ratios.items():
+        lines.append(f"- cache_aware / round_robin, {pools}: hit rate {fmt(r['cache_hit_rate'], '{:.2f}x')}, "
+                     f"output tok/s {fmt(r['output_tok_s'], '{:.2f}x')}, req/s {fmt(r['requests_per_s'], '{:.2f}x')}, "
+                     f"mean E2E {fmt(r['e2e_mean_s'], '{:.2f}x')} (below 1 is faster)")
+    lines.append("")
     if retried:
         lines += [f"Measured again because other processes took over 5% of the CPU: {', '.join(retried)}.", ""]
     busy = [label for label, row in rows.items() if row["disturbed"]]

@@ -6,10 +6,11 @@
 
 dp workload: many prefix groups (G distinct system prompts of a few hundred tokens, P short questions each),
 every request streamed through native /generate, the arrival order a seeded shuffle across groups, a fixed
-number of requests in flight. Each worker's KV pool is sized to hold about half of the groups' prefixes plus
-the running requests, so a policy that splits the groups between the workers can keep every prefix cached,
-while one that sends every group to both workers makes each worker hold all of them (and evict). The single
-server gets the two workers' pools and both cores.
+number of requests in flight. In the first pair each worker's KV pool holds about half of the groups' prefixes
+plus the running requests, so a policy that splits the groups between the workers can keep every prefix cached,
+while one that sends every group to both workers makes each worker hold all of them (and evict); the single
+server gets the two workers' pools and both cores. The second pair runs on default pools, where every prefix
+fits, leaving only the recomputation of a prefix once per worker that sees its group.
 
 Per deployment: req/s, output tok/s, mean/p50/p99 end-to-end latency, TTFT, the cache hit rate
 sum(cached_tokens) / sum(prompt_tokens) from the responses' meta_info, and the requests each worker served

@@ -1,5 +1,6 @@
 """Two furcate servers behind a real sglang-router (cache-aware policy) on loopback: the router's rewritten
-requests are served, outputs equal a single server's, and fan-out routes reach both workers."""
+requests are served (streamed ones too), outputs equal a single server's, and fan-out routes reach both workers;
+`serve --dp-size 2` with the cache-aware and power-of-two policies."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import socket
 from pathlib import Path
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
 
+from furcate.runtime.server.data_parallel import _wait_ready
 from furcate.runtime.server.launch import ServerProcess
 
 from .conftest import EXACT, TINY_POOL_TOKENS, assert_server_pool_free
+from .test_server_native import sse_events
 
 pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install -e '.[dev]')")
 
@@ -44,18 +46,12 @@ def router(workers):
                                 "--log-level", "warn", "--prometheus-port", str(_free_port())],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, "sglang-router did not start"
-        time.sleep(0.2)
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    try:
+        _wait_ready(url, process, len(workers))
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def test_generate_through_the_router_equals_a_single_server(router, tiny_server):
@@ -80,6 +76,34 @@ def test_openai_routes_through_the_router(router, tiny_server):
                                               max_tokens=6, temperature=0)
         results.append((completion.choices[0].text, chat.choices[0].message.content))
     assert results[0] == results[1]
+
+
+def test_generate_stream_through_the_router_equals_a_single_server(router, tiny_server):
+    body = {"text": "The capital of France is", "sampling_params": GREEDY}
+    direct = requests.post(f"{tiny_server.url}/generate", json=body, timeout=60).json()
+    with requests.post(f"{router}/generate", json={**body, "stream": True}, stream=True, timeout=60) as routed:
+        assert routed.status_code == 200, routed.text
+        events = sse_events(routed)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    # The router must pass the stream through as it comes, not buffer it into one event.
+    assert len(chunks) > 1, chunks
+    assert chunks[-1]["text"] == direct["text"]  # native chunks carry the text so far
+    assert chunks[-1]["output_ids"] == direct["output_ids"]
+
+
+def test_chat_stream_through_the_router_equals_a_single_server(router, tiny_server):
+    from openai import OpenAI
+
+    served = requests.get(f"{tiny_server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    messages = [{"role": "user", "content": "Tell me about rivers"}]
+    direct = OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused").chat.completions.create(
+        model=served, messages=messages, max_tokens=8, temperature=0)
+    stream = OpenAI(base_url=f"{router}/v1", api_key="unused").chat.completions.create(
+        model=served, messages=messages, max_tokens=8, temperature=0, stream=True)
+    deltas = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+    assert len(deltas) > 1, deltas
+    assert "".join(deltas) == direct.choices[0].message.content
 
 
 def test_flush_cache_through_the_router_reaches_every_worker(router, workers):
@@ -175,3 +199,33 @@ def test_runtime_with_dp_size_runs_programs_across_replicas(tiny_model_dirs, tin
     finally:
         direct.close()
     assert routed == expected
+
+
+def _requests_served(worker_url: str) -> int:
+    """Requests the worker finished, from its Prometheus counter (summed over finish reasons)."""
+    text = requests.get(f"{worker_url}/metrics", timeout=30).text
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("furcate_requests_total{")))
+
+
+def test_serve_dp_size_two_power_of_two_answers_and_uses_both_workers(tiny_model_dirs, tiny_server):
+    import concurrent.futures
+
+    with ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS, **EXACT},
+                       extra_args=("--dp-size", "2", "--router-policy", "power_of_two")) as server:
+        body = {"text": "The capital of France is", "sampling_params": GREEDY}
+        direct = requests.post(f"{tiny_server.url}/generate", json=body, timeout=60).json()
+        assert requests.post(f"{server.url}/generate", json=body, timeout=60).json()["output_ids"] == \
+            direct["output_ids"]
+        # Ties in load go to a random one of the two choices, so 16 requests all landing on one worker would
+        # take a 2^-15 chance even if the policy ignored load altogether.
+        prompts = [f"question {i} about rivers" for i in range(16)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda p: requests.post(f"{server.url}/generate", json={
+                "text": p, "sampling_params": GREEDY}, timeout=60), prompts))
+        assert all(o.status_code == 200 for o in outs), [o.text for o in outs if o.status_code != 200]
+        # The router lists the workers it registered; each one's own counter says what it served.
+        workers = [w["url"] for w in requests.get(f"{server.url}/workers", timeout=30).json()["workers"]]
+        served = [_requests_served(url) for url in workers]
+    assert len(workers) == 2 and sum(served) == 1 + len(prompts), served
+    assert min(served) > 0, served

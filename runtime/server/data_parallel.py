@@ -48,7 +48,7 @@ def serve_data_parallel(engine_args: EngineArgs, server_args: ServerArgs) -> int
                    # Its Prometheus exporter binds 29000 unless told otherwise; two routers must not collide.
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port("127.0.0.1"))]
         router = subprocess.Popen(command)
-        _wait_healthy(url, router)
+        _wait_ready(url, router, len(workers))
         print(f"{READY_PREFIX}{url}", flush=True)
         while not stop.wait(0.5):
             if router.poll() is not None or any(w.process.poll() is not None for w in workers):
@@ -96,15 +96,19 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _wait_healthy(url: str, router: subprocess.Popen) -> None:
+def _wait_ready(url: str, router: subprocess.Popen, num_workers: int) -> None:
+    """Until the router lists every worker as healthy. Its /health answers 200 before it has registered them
+    (it adds them in the background), and until then it answers requests with 503 "No workers are available"."""
     deadline = time.monotonic() + ROUTER_STARTUP_S
     while time.monotonic() < deadline:
         if router.poll() is not None:
             raise RuntimeError(f"sglang-router exited with code {router.returncode} during start-up")
         try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+            listed = requests.get(f"{url}/workers", timeout=2).json()["workers"]
+            if sum(bool(w.get("is_healthy")) for w in listed) == num_workers:
                 return
-        except requests.ConnectionError:
+        except (requests.ConnectionError, ValueError, KeyError):
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"sglang-router did not answer /health within {ROUTER_STARTUP_S:.0f}s")
+    raise TimeoutError(f"sglang-router did not list its {num_workers} workers as healthy within "
+                       f"{ROUTER_STARTUP_S:.0f}s")

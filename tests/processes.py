@@ -5,10 +5,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import requests
+from furcate.runtime.server.data_parallel import wait_router_ready
 
 
 def free_port() -> int:
@@ -17,23 +16,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_router(args: list[str]) -> tuple[subprocess.Popen, str]:
-    """sglang-router on a free loopback port (its Prometheus exporter on another); returns it and its URL once
-    it answers /health."""
+def start_router(args: list[str], num_workers: int) -> tuple[subprocess.Popen, str]:
+    """sglang-router on a free loopback port (its Prometheus exporter on another); returns it and its URL once it
+    lists all `num_workers` workers as healthy (its /health answers before it has registered them)."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                 "--port", str(port), "--log-level", "warn", "--prometheus-port", str(free_port()),
                                 *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except requests.ConnectionError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, "sglang-router did not start"
-        time.sleep(0.2)
+    try:
+        wait_router_ready(url, process, num_workers)
+    except BaseException:
+        process.kill()
+        raise
+    return process, url
 
 
 def descendants(pid: int) -> set[int]:

@@ -38,7 +38,7 @@ def pd(tiny_model_dirs):
     prefill = _server(tiny_model_dirs["llama"], "prefill", disaggregation_bootstrap_port=bootstrap)
     decode = _server(tiny_model_dirs["llama"], "decode")
     router, url = start_router(["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap),
-                                 "--decode", decode.url])
+                                "--decode", decode.url], 2)
     yield url, prefill, decode
     router.terminate()
     router.wait(timeout=30)
@@ -114,7 +114,7 @@ def test_failed_transfers_fail_alone_and_a_killed_prefill_server_fails_requests_
                       disaggregation_timeout=1)
     decode = _server(tiny_model_dirs["llama"], "decode", disaggregation_timeout=1)
     router, url = start_router(["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap),
-                                 "--decode", decode.url])
+                                "--decode", decode.url], 2)
     pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap}
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the same room twice: the later one fails at once
@@ -141,30 +141,11 @@ def test_failed_transfers_fail_alone_and_a_killed_prefill_server_fails_requests_
         decode.stop()
 
 
-def test_nixl_backend_pairs_requests_sent_to_both_halves(tiny_model_dirs, tiny_server):
-    """The same pairing over NIXL (UCX), with the two halves called directly as the router would."""
+def test_serve_pd_disaggregation_over_nixl_starts_and_stops_everything_in_one_command(tiny_model_dirs, tiny_server):
+    """`furcate serve --pd-disaggregation`, with K/V moved by NIXL (UCX) this time."""
     pytest.importorskip("nixl_cu12", reason="NIXL is a dev dependency (pip install -e '.[dev]')")
-    bootstrap = free_port()
-    backend = {"disaggregation_transfer_backend": "nixl"}
-    prefill = _server(tiny_model_dirs["llama"], "prefill", disaggregation_bootstrap_port=bootstrap, **backend)
-    decode = _server(tiny_model_dirs["llama"], "decode", **backend)
-    try:
-        for room, prompt in enumerate(["The capital of France is", PREAMBLE + "What is rain?"]):
-            pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": room}
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                halves = list(pool.map(lambda url: _generate(url, prompt, **pairing), [prefill.url, decode.url]))
-            assert all(r.status_code == 200 for r in halves), [r.text for r in halves]
-            assert halves[1].json()["output_ids"] == _generate(tiny_server.url, prompt).json()["output_ids"]
-            assert halves[0].json()["output_ids"] == halves[1].json()["output_ids"][:1]
-        for server in (prefill, decode):
-            assert_server_pool_free(server.url)
-    finally:
-        prefill.stop()
-        decode.stop()
-
-
-def test_serve_pd_disaggregation_starts_and_stops_everything_in_one_command(tiny_model_dirs, tiny_server):
-    server = ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS, **EXACT},
+    server = ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS, **EXACT,
+                                                           "disaggregation_transfer_backend": "nixl"},
                            extra_args=("--pd-disaggregation",))
     try:
         family = descendants(server.process.pid)
@@ -173,6 +154,10 @@ def test_serve_pd_disaggregation_starts_and_stops_everything_in_one_command(tiny
             routed = _generate(server.url, prompt)
             assert routed.status_code == 200, routed.text
             assert routed.json()["output_ids"] == _generate(tiny_server.url, prompt).json()["output_ids"]
+        workers = [w["url"] for w in requests.get(f"{server.url}/workers", timeout=30).json()["workers"]]
+        infos = [requests.get(f"{url}/get_server_info", timeout=30).json() for url in workers]
+        modes = sorted((i["disaggregation_mode"], i["disaggregation_transfer_backend"]) for i in infos)
+        assert modes == [("decode", "nixl"), ("prefill", "nixl")], modes
     finally:
         assert server.stop() == 0
     still = [pid for pid in family if Path(f"/proc/{pid}").exists()]

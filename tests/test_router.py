@@ -4,29 +4,20 @@ requests are served (streamed ones too), outputs equal a single server's, and fa
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
-import subprocess
-import sys
 
 import pytest
 import requests
 
-from furcate.runtime.server.data_parallel import _wait_ready
 from furcate.runtime.server.launch import ServerProcess
 
 from .conftest import EXACT, TINY_POOL_TOKENS, assert_server_pool_free
+from .processes import descendants, start_router
 from .test_server_native import sse_events
 
 pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install -e '.[dev]')")
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +31,10 @@ def workers(tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def router(workers):
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *workers,
-                                "--log-level", "warn", "--prometheus-port", str(_free_port())],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, process, len(workers))
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    process, url = start_router(["--policy", "cache_aware", "--worker-urls", *workers], len(workers))
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
 
 
 def test_generate_through_the_router_equals_a_single_server(router, tiny_server):
@@ -137,28 +120,13 @@ def test_chat_route_takes_the_routers_added_fields(workers):
     assert refused.status_code == 400 and "continue_final_message" in refused.json()["error"]["message"]
 
 
-def _descendants(pid: int) -> set[int]:
-
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
 def test_serve_dp_size_two_routes_shared_prefixes_to_one_worker_and_stops_everything(tiny_model_dirs, tiny_server):
     import concurrent.futures
 
     server = ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS, **EXACT},
                            extra_args=("--dp-size", "2"))
     try:
-        family = _descendants(server.process.pid)
+        family = descendants(server.process.pid)
         # Two workers with a scheduler each, and the router.
         assert len(family) >= 5, family
         body = {"text": "The capital of France is", "sampling_params": GREEDY}
@@ -181,21 +149,33 @@ def test_serve_dp_size_two_routes_shared_prefixes_to_one_worker_and_stops_everyt
     assert not still, f"processes left behind: {still}"
 
 
-def test_runtime_with_dp_size_runs_programs_across_replicas(tiny_model_dirs, tiny_server):
+def test_runtime_with_dp_size_runs_programs_across_replicas_under_power_of_two(tiny_model_dirs, tiny_server):
+    import concurrent.futures
+
     import furcate as sgl
 
     @sgl.function
     def continue_text(s, text):
         s += text + sgl.gen("more", max_tokens=6, temperature=0)
 
-    with sgl.Runtime(str(tiny_model_dirs["llama"]), dp_size=2, max_total_tokens=TINY_POOL_TOKENS, **EXACT) as runtime:
-        states = continue_text.run_batch([{"text": t} for t in ("Once upon a time", "The river", "def f(x):")],
-                                         backend=runtime)
-        routed = [state["more"] for state in states]
+    texts = ("Once upon a time", "The river", "def f(x):")
+    with sgl.Runtime(str(tiny_model_dirs["llama"]), dp_size=2, router_policy="power_of_two",
+                     max_total_tokens=TINY_POOL_TOKENS, **EXACT) as runtime:
+        routed = [state["more"] for state in continue_text.run_batch([{"text": t} for t in texts], backend=runtime)]
+        # Ties in load go to a random one of the two choices, so 16 requests all landing on one worker would
+        # take a 2^-15 chance even if the policy ignored load altogether.
+        prompts = [f"question {i} about rivers" for i in range(16)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda p: requests.post(f"{runtime.url}/generate", json={
+                "text": p, "sampling_params": GREEDY}, timeout=60), prompts))
+        assert all(o.status_code == 200 for o in outs), [o.text for o in outs if o.status_code != 200]
+        # The router lists the workers it registered; each one's own counter says what it served.
+        workers = [w["url"] for w in requests.get(f"{runtime.url}/workers", timeout=30).json()["workers"]]
+        served = [_requests_served(url) for url in workers]
+    assert len(workers) == 2 and sum(served) >= len(texts) + len(prompts) and min(served) > 0, served
     direct = sgl.RuntimeEndpoint(tiny_server.url)
     try:
-        expected = [continue_text.run(text=t, backend=direct)["more"]
-                    for t in ("Once upon a time", "The river", "def f(x):")]
+        expected = [continue_text.run(text=t, backend=direct)["more"] for t in texts]
     finally:
         direct.close()
     assert routed == expected
@@ -206,26 +186,3 @@ def _requests_served(worker_url: str) -> int:
     text = requests.get(f"{worker_url}/metrics", timeout=30).text
     return round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                      if line.startswith("furcate_requests_total{")))
-
-
-def test_serve_dp_size_two_power_of_two_answers_and_uses_both_workers(tiny_model_dirs, tiny_server):
-    import concurrent.futures
-
-    with ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS, **EXACT},
-                       extra_args=("--dp-size", "2", "--router-policy", "power_of_two")) as server:
-        body = {"text": "The capital of France is", "sampling_params": GREEDY}
-        direct = requests.post(f"{tiny_server.url}/generate", json=body, timeout=60).json()
-        assert requests.post(f"{server.url}/generate", json=body, timeout=60).json()["output_ids"] == \
-            direct["output_ids"]
-        # Ties in load go to a random one of the two choices, so 16 requests all landing on one worker would
-        # take a 2^-15 chance even if the policy ignored load altogether.
-        prompts = [f"question {i} about rivers" for i in range(16)]
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            outs = list(pool.map(lambda p: requests.post(f"{server.url}/generate", json={
-                "text": p, "sampling_params": GREEDY}, timeout=60), prompts))
-        assert all(o.status_code == 200 for o in outs), [o.text for o in outs if o.status_code != 200]
-        # The router lists the workers it registered; each one's own counter says what it served.
-        workers = [w["url"] for w in requests.get(f"{server.url}/workers", timeout=30).json()["workers"]]
-        served = [_requests_served(url) for url in workers]
-    assert len(workers) == 2 and sum(served) == 1 + len(prompts), served
-    assert min(served) > 0, served

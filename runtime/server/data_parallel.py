@@ -48,7 +48,7 @@ def serve_data_parallel(engine_args: EngineArgs, server_args: ServerArgs) -> int
                    # Its Prometheus exporter binds 29000 unless told otherwise; two routers must not collide.
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port("127.0.0.1"))]
         router = subprocess.Popen(command)
-        _wait_ready(url, router, len(workers))
+        wait_router_ready(url, router, len(workers))
         print(f"{READY_PREFIX}{url}", flush=True)
         while not stop.wait(0.5):
             if router.poll() is not None or any(w.process.poll() is not None for w in workers):
@@ -96,7 +96,7 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _wait_ready(url: str, router: subprocess.Popen, num_workers: int) -> None:
+def wait_router_ready(url: str, router: subprocess.Popen, num_workers: int) -> None:
     """Until the router lists every worker as healthy. Its /health answers 200 before it has registered them
     (it adds them in the background), and until then it answers requests with 503 "No workers are available"."""
     deadline = time.monotonic() + ROUTER_STARTUP_S

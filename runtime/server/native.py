@@ -26,6 +26,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/model_info", get_model_info)  # the name sglang-router asks first
     app.router.add_get("/server_info", get_server_info)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/get_load", get_load)

@@ -44,6 +44,7 @@ from furcate.benchmarks.serving import (
     RESULTS, CpuMeter, FurcateServer, Mode, NativeProtocol, Policy, Request, Watchdog, Workload, drive, loadavg,
     ms, shared_prefix_workload, steady, summarize, wait_until_idle,
 )
+from furcate.benchmarks.scale_out_pd import pd_markdown, run_pd
 from furcate.benchmarks.shared_prefix import oracle_hit_rate
 from furcate.runtime.server.launch import ServerProcess
 
@@ -269,6 +270,7 @@ def dp_markdown(section: dict) -> list[str]:
 
 SECTIONS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[dict], list[str]]]] = {
     "dp": (run_dp, dp_markdown),
+    "pd": (run_pd, pd_markdown),
 }
 
 
@@ -289,7 +291,7 @@ def write_markdown(path: pathlib.Path, report: dict) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small smoke run (few groups, short prompts)")
-    parser.add_argument("--sections", default="dp", help=f"comma list of {sorted(SECTIONS)}")
+    parser.add_argument("--sections", default="dp,pd", help=f"comma list of {sorted(SECTIONS)}")
     parser.add_argument("--groups", type=int, default=24, help="dp: distinct system prompts")
     parser.add_argument("--prompts-per-group", type=int, default=4)
     parser.add_argument("--prefix-len", type=int, default=256, help="dp: tokens of each system prompt")
@@ -305,12 +307,17 @@ def parse_args() -> argparse.Namespace:
                         help="before each timed run, wait up to this many seconds for other processes to go quiet")
     parser.add_argument("--retries", type=int, default=1,
                         help="measure a run again (at most this often) when other processes took its CPU")
+    parser.add_argument("--pd-requests", type=int, default=32, help="pd: requests")
+    parser.add_argument("--pd-input-len", type=int, default=768, help="pd: longest prompt (uniform from half)")
+    parser.add_argument("--pd-output-len", type=int, default=32)
+    parser.add_argument("--pd-concurrency", type=int, default=4, help="pd: requests in flight")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="JSON path; the .md goes beside it")
     args = parser.parse_args()
     if args.quick:
         args.groups, args.prompts_per_group, args.prefix_len, args.suffix_len = 6, 3, 96, 8
         args.output_len, args.concurrency, args.wait_idle = 4, 4, 5.0
+        args.pd_requests, args.pd_input_len, args.pd_output_len, args.pd_concurrency = 6, 128, 4, 2
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {sorted(SECTIONS)}")

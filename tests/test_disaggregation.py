@@ -52,7 +52,8 @@ def _generate(url: str, prompt: str, **extra) -> requests.Response:
 
 def test_pd_outputs_equal_a_single_server(pd, tiny_server):
     url, prefill, decode = pd
-    prompts = ["The capital of France is", "One two three", PREAMBLE + "What is rain?", PREAMBLE + "Why is ice cold?"]
+    prompts = ["The capital of France is", "One two three", PREAMBLE + "What is rain?", PREAMBLE + "Why is ice cold?",
+               PREAMBLE * 12 + "Long prompts move in few, large writes."]
     expected = {p: _generate(tiny_server.url, p).json()["output_ids"] for p in prompts}
     for prompt in prompts:  # one at a time, then all at once (they batch on both servers)
         routed = _generate(url, prompt)
@@ -64,9 +65,9 @@ def test_pd_outputs_equal_a_single_server(pd, tiny_server):
         assert response.status_code == 200, response.text
         assert response.json()["output_ids"] == expected[prompt]
     # The decode server's own prefix cache served the repeated preamble: only the rest was transferred.
-    assert max(r.json()["meta_info"]["cached_tokens"] for r in responses[4:]) > 0
+    assert max(r.json()["meta_info"]["cached_tokens"] for r in responses[len(prompts):]) > 0
     stats = requests.get(f"{prefill.url}/get_server_info", timeout=30).json()["internal_states"][0]
-    assert stats["kv_transfers"] >= 12 and stats["kv_transfer_failures"] == 0
+    assert stats["kv_transfers"] >= 3 * len(prompts) and stats["kv_transfer_failures"] == 0
     for server in (prefill, decode):
         assert_server_pool_free(server.url)
 

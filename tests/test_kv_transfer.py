@@ -18,6 +18,10 @@ from furcate.runtime.request_builder import RequestBuilder
 def test_runs_merge_stretches_consecutive_on_both_sides():
     assert runs([5, 6, 7, 9, 10], [20, 21, 30, 31, 32]) == [(5, 20, 2), (7, 30, 1), (9, 31, 2)]
     assert runs([], []) == []
+    # Falling on both sides: one block, from the lowest slots up. Mixed directions never merge.
+    assert runs([9, 8, 7, 3], [40, 39, 38, 37]) == [(7, 38, 3), (3, 37, 1)]
+    assert runs([9, 8, 7], [1, 2, 3]) == [(9, 1, 1), (8, 2, 1), (7, 3, 1)]
+    assert runs([4, 5, 4, 3], [10, 11, 10, 9]) == [(4, 10, 2), (3, 9, 2)]
 
 
 def test_the_write_list_copies_every_layer_into_the_peer_slots():
@@ -28,9 +32,9 @@ def test_the_write_list_copies_every_layer_into_the_peer_slots():
     for buffer in local.k_buffer + local.v_buffer:
         buffer.copy_(torch.randn_like(buffer))
     before = [b.clone() for b in peer.k_buffer + peer.v_buffer]
-    sources, destinations = [3, 4, 5, 11, 12, 30], [7, 8, 20, 21, 22, 1]
+    sources, destinations = [3, 4, 5, 11, 12, 30, 29, 28], [7, 8, 20, 21, 22, 3, 2, 1]
     src, dst, lengths = write_list(KVLayout.of(local), KVLayout.of(peer), sources, destinations)
-    assert len(lengths) == 2 * 3 * 4  # K and V, 3 layers, 4 stretches
+    assert len(lengths) == 2 * 3 * 4  # K and V, 3 layers, 4 stretches (the last one falling)
     for s, d, n in zip(src, dst, lengths):
         ctypes_copy(d, s, n)
     for layer in range(3):

@@ -44,15 +44,24 @@ class KVLayout:
 
 
 def runs(sources: list[int], destinations: list[int]) -> list[tuple[int, int, int]]:
-    """(source slot, destination slot, count) for each stretch where both sides' slots are consecutive, so a
-    request whose slots are mostly contiguous moves in a few large writes rather than one per token."""
-    out: list[tuple[int, int, int]] = []
+    """(first source slot, first destination slot, count) for each stretch where both sides' slots are
+    consecutive, so a request whose slots are mostly contiguous moves in a few large writes rather than one per
+    token. A stretch may also run downwards on both sides at once (the pool hands out fresh slots in falling
+    order): the blocks then still match slot for slot, from their lowest slots up."""
+    out: list[tuple[int, int, int, int]] = []  # (start source, start destination, count, step +1 or -1)
     for src, dst in zip(sources, destinations):
-        if out and src == out[-1][0] + out[-1][2] and dst == out[-1][1] + out[-1][2]:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        if out:
+            first_src, first_dst, count, step = out[-1]
+            last_src, last_dst = first_src + step * (count - 1), first_dst + step * (count - 1)
+            for direction in ((step,) if count > 1 else (1, -1)):
+                if src == last_src + direction and dst == last_dst + direction:
+                    out[-1] = (first_src, first_dst, count + 1, direction)
+                    break
+            else:
+                out.append((src, dst, 1, 1))
         else:
-            out.append((src, dst, 1))
-    return out
+            out.append((src, dst, 1, 1))
+    return [(s, d, n) if step == 1 else (s - n + 1, d - n + 1, n) for s, d, n, step in out]
 
 
 def write_list(local: KVLayout, peer: KVLayout, sources: list[int], destinations: list[int]

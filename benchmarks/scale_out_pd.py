@@ -26,7 +26,8 @@ from furcate.benchmarks.serving import (
 )
 from furcate.runtime.server.launch import ServerProcess
 
-TRANSFER_COUNTERS = ("kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures")
+TRANSFER_COUNTERS = ("kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_writes",
+                     "kv_transfer_failures")
 
 
 @dataclass
@@ -88,6 +89,7 @@ def measure_once(system: FurcateServer, servers: dict[str, str], workload: Workl
         row["kv_transfer"] = delta | {
             "mean_bytes_per_request": delta["kv_transfer_bytes"] / count,
             "mean_ms_per_request": delta["kv_transfer_seconds"] / count * 1000,
+            "mean_writes_per_request": delta["kv_transfer_writes"] / count,
             "gb_per_s": (delta["kv_transfer_bytes"] / delta["kv_transfer_seconds"] / 1e9
                          if delta["kv_transfer_seconds"] else None)}
     return row
@@ -156,7 +158,8 @@ def brief(row: dict) -> str:
 PD_COLUMNS = [("out tok/s", "output_tok_s", "{:.1f}"), ("req/s", "requests_per_s", "{:.2f}"),
               ("TTFT mean ms", "ttft_mean_ms", "{:.0f}"), ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
               ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"), ("ITL p50 ms", "itl_p50_ms", "{:.0f}"),
-              ("ITL p99 ms", "itl_p99_ms", "{:.0f}"), ("E2E p50 s", "e2e_p50_s", "{:.2f}"),
+              ("ITL p99 ms", "itl_p99_ms", "{:.0f}"), ("TPOT mean ms", "tpot_mean_ms", "{:.0f}"),
+              ("E2E p50 s", "e2e_p50_s", "{:.2f}"),
               ("failed", "failed", "{}"), ("load avg before", "loadavg_before", "{}"),
               ("foreign CPU", "foreign_cpu_share", "{:.1%}")]
 
@@ -168,17 +171,23 @@ def pd_markdown(section: dict) -> list[str]:
              f"{section['arrivals']} (requests in flight), streamed through native `/generate`, greedy, ignore_eos. "
              f"Engine: default model, `{next(iter(rows.values()))['engine']}`.", "",
              "| deployment | threads x servers | KV tokens per server | " + " | ".join(c[0] for c in PD_COLUMNS)
-             + " | KV per request | transfer ms per request | transfer GB/s |", "|---" * (len(PD_COLUMNS) + 6) + "|"]
+             + " | KV per request | writes per request | transfer ms per request | transfer GB/s |",
+             "|---" * (len(PD_COLUMNS) + 7) + "|"]
     for label, row in rows.items():
         d, kv = row["deployment"], row.get("kv_transfer")
         servers = 1 if d["backend"] is None else 2
-        transfer = ["-", "-", "-"] if kv is None else [
-            f"{kv['mean_bytes_per_request'] / 1e6:.2f} MB", f"{kv['mean_ms_per_request']:.1f}",
+        transfer = ["-", "-", "-", "-"] if kv is None else [
+            f"{kv['mean_bytes_per_request'] / 1e6:.2f} MB", f"{kv['mean_writes_per_request']:.0f}",
+            f"{kv['mean_ms_per_request']:.1f}",
             fmt(kv["gb_per_s"], "{:.2f}")]
         lines.append(f"| {label} | {d['threads_per_server']} x {servers} | {d['kv_tokens_per_server']} | "
                      + " | ".join(fmt(row.get(key), spec) for _, key, spec in PD_COLUMNS) + " | "
                      + " | ".join(transfer) + " |")
-    lines += ["", "What this machine cannot show: disaggregation pays off when prefill and decode run on separate "
+    lines += ["", "Streamed chunks pass through sglang-router in the PD rows and often arrive there together (ITL p50 "
+              "0 ms), which moves TTFT later and shrinks TPOT ((E2E - TTFT) / (tokens - 1)); E2E is the figure "
+              "the router cannot skew. Writes per request: (address, length) pieces, 2 x layers per stretch of "
+              "consecutive KV slots; scattered slots make many small writes.", "",
+              "What this machine cannot show: disaggregation pays off when prefill and decode run on separate "
               "accelerators, so a long prefill never stalls another request's decode step. Here the prefill and "
               "decode servers split the same 2 cores a single server uses (1 thread each instead of 2), and the "
               "K/V cross loopback TCP inside one machine, so the latencies say what the split costs on shared "

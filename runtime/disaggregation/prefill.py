@@ -45,7 +45,9 @@ class PrefillSender:
         self.held: dict[int, Held] = {}
         self.rooms: dict[int, int] = {}  # bootstrap_room -> id of the request holding it
         self.landed: queue.SimpleQueue[tuple[Req, str | None]] = queue.SimpleQueue()
-        self.stats = {"kv_transfers": 0, "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0, "kv_transfer_failures": 0}
+        # kv_transfer_writes: (address, length) pieces; more per transfer when the slots are scattered.
+        self.stats = {"kv_transfers": 0, "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0, "kv_transfer_writes": 0,
+                      "kv_transfer_failures": 0}
 
     def close(self) -> None:
         self.writer.shutdown(wait=True, cancel_futures=True)
@@ -120,6 +122,7 @@ class PrefillSender:
             return str(error)
         self.stats["kv_transfers"] += 1
         self.stats["kv_transfer_bytes"] += sum(lengths)
+        self.stats["kv_transfer_writes"] += len(lengths)
         self.stats["kv_transfer_seconds"] += time.perf_counter() - began
         return None
 

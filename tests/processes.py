@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from furcate.runtime.server.data_parallel import wait_router_ready
@@ -44,3 +45,24 @@ def descendants(pid: int) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
+
+
+def running(pids: set[int]) -> set[int]:
+    """The pids among these that still run (zombies, exited but not yet reaped by their parent, do not)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def wait_gone(pids: set[int], timeout: float = 20) -> set[int]:
+    """Waits up to `timeout` for these processes to end; returns those still running."""
+    deadline = time.monotonic() + timeout
+    while (alive := running(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -24,6 +23,7 @@ from furcate.runtime.distributed.tp_layers import shard_tensor
 from furcate.runtime.model.loader import load_model
 
 from .conftest import ARCHS, EXACT, assert_pool_free
+from .processes import descendants, wait_gone
 
 # No grammar backend: grammars only touch rank 0's sampling, and building one costs seconds per engine start.
 ENGINE_ARGS = {**EXACT, "max_total_tokens": 3000, "chunked_prefill_size": 16, "torch_num_threads": 1,
@@ -60,15 +60,13 @@ def assert_same_outputs(got: dict[str, list[dict]], expected: dict[str, list[dic
             assert len(a) >= len(mine["meta_info"][key]) - 1  # only the first prompt token has no logprob
 
 
-def processes_of(engine: Engine) -> list[psutil.Process]:
+def processes_of(engine: Engine) -> set[int]:
     """The scheduler process (rank 0) and everything it started."""
-    scheduler = psutil.Process(engine._process.pid)
-    return [scheduler, *scheduler.children(recursive=True)]
+    return {engine._process.pid} | descendants(engine._process.pid)
 
 
-def assert_all_gone(processes: list[psutil.Process], timeout: float = 20) -> None:
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
-    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+def assert_all_gone(pids: set[int], timeout: float = 20) -> None:
+    alive = wait_gone(pids, timeout)
     assert not alive, f"processes left behind: {alive}"
 
 
@@ -157,7 +155,7 @@ def test_overlap_loop_then_a_killed_engine_process_leaves_nothing(tiny_model_dir
     holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         line = holder.stdout.readline()
-        processes = psutil.Process(holder.pid).children(recursive=True)
+        processes = descendants(holder.pid)
         assert len(processes) == 2, processes  # scheduler and follower
         assert_same_outputs(json.loads(line), tp1_outputs("llama"))
         os.kill(holder.pid, signal.SIGKILL)
@@ -191,9 +189,9 @@ if "furcate.runtime.distributed.follower" in sys.orig_argv:
 def test_follower_start_up_error_is_a_clear_engine_error(tiny_model_dirs, tmp_path, monkeypatch):
     (tmp_path / "sitecustomize.py").write_text(BROKEN_FOLLOWER)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    before = set(psutil.Process().children(recursive=True))
+    before = descendants(os.getpid())
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)tensor-parallel rank 1 failed to start.*injected: this rank"):
         Engine(str(tiny_model_dirs["llama"]), **ENGINE_ARGS, tp_size=2)
     assert time.monotonic() - started < 60
-    assert_all_gone([p for p in psutil.Process().children(recursive=True) if p not in before])
+    assert_all_gone(descendants(os.getpid()) - before)

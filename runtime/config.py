@@ -89,6 +89,12 @@ class EngineArgs:
     # Attention implementation; auto: flashinfer on CUDA when installed, triton on CUDA without it, torch_native
     # elsewhere (only backends this build has are picked).
     attention_backend: str = "auto"
+    # CUDA devices: decode batches replay CUDA graphs captured for a ladder of batch sizes (runtime/cuda_graph.py)
+    # unless disabled; batches above the largest captured size run eagerly. Capture comes with the GPU attention
+    # backends; until then these two settings only shape the ladder.
+    disable_cuda_graph: bool = False
+    # Largest decode batch captured; None: 256 (never more than max_running_requests).
+    cuda_graph_max_bs: int | None = None
     # Seed of the scheduler's sampling generator (requests may carry their own sampling_seed).
     random_seed: int = 0
     # torch threads in the scheduler process (and in each tensor-parallel rank); defaults to every core, shared
@@ -127,6 +133,8 @@ class EngineArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.max_prefill_tokens < 1:

@@ -8,20 +8,21 @@ import inspect
 import os
 from dataclasses import dataclass
 
-SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
-ATTENTION_BACKENDS = ("torch_native",)
-GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "gguf")
+from . import registry
+from .attention.select import resolve_attention_backend
+
 MAX_DP_SIZE = 64
 MAX_TP_SIZE = 8
-ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
-DISAGGREGATION_MODES = ("null", "prefill", "decode")
-TRANSFER_BACKENDS = ("mooncake", "nixl")
-CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "schedule_policy": SCHEDULE_POLICIES,
-           "grammar_backend": GRAMMAR_BACKENDS, "router_policy": ROUTER_POLICIES,
-           "attention_backend": ATTENTION_BACKENDS, "disaggregation_mode": DISAGGREGATION_MODES,
-           "disaggregation_transfer_backend": TRANSFER_BACKENDS}
+# Named choices, each kind under the field that picks from it (attention backends register in attention/select.py).
+registry.register_names("dtype", ("auto", "float32", "bfloat16", "float16"))
+registry.register_names("quantization", ("auto", "none", "gguf"))
+registry.register_names("schedule_policy", ("lpm", "dfs-weight", "fcfs", "lof", "random"))
+registry.register_names("grammar_backend", ("auto", "xgrammar", "llguidance", "outlines", "none"))
+registry.register_names("router_policy", ("cache_aware", "round_robin", "power_of_two", "random"))
+registry.register_names("disaggregation_mode", ("null", "prefill", "decode"))
+registry.register_names("disaggregation_transfer_backend", ("mooncake", "nixl"))
+ENGINE_CHOICE_FIELDS = ("dtype", "quantization", "schedule_policy", "grammar_backend", "disaggregation_mode",
+                        "disaggregation_transfer_backend")
 
 
 @dataclass
@@ -85,8 +86,15 @@ class EngineArgs:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.14
     new_token_ratio_decay_steps: int = 600
-    # Attention implementation.
-    attention_backend: str = "torch_native"
+    # Attention implementation; auto: flashinfer on CUDA when installed, triton on CUDA without it, torch_native
+    # elsewhere (only backends this build has are picked).
+    attention_backend: str = "auto"
+    # CUDA devices: decode batches replay CUDA graphs captured for a ladder of batch sizes (runtime/cuda_graph.py)
+    # unless disabled; batches above the largest captured size run eagerly. Capture comes with the GPU attention
+    # backends; until then these two settings only shape the ladder.
+    disable_cuda_graph: bool = False
+    # Largest decode batch captured; None: 256 (never more than max_running_requests).
+    cuda_graph_max_bs: int | None = None
     # Seed of the scheduler's sampling generator (requests may carry their own sampling_seed).
     random_seed: int = 0
     # torch threads in the scheduler process (and in each tensor-parallel rank); defaults to every core, shared
@@ -110,28 +118,23 @@ class EngineArgs:
         self.validate()
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        for name in ENGINE_CHOICE_FIELDS:
+            registry.check(name, getattr(self, name))
+        resolve_attention_backend(self.attention_backend, self.device)
         if not 1 <= self.tp_size <= MAX_TP_SIZE:
             raise ValueError(f"tp_size must be in [1, {MAX_TP_SIZE}], got {self.tp_size}")
         if self.tp_size > 1 and self.quantization == "gguf":
             raise ValueError("quantization='gguf' does not support tp_size > 1 (the quantized kernels hold whole "
                              "tensors); use quantization='none' or 'auto', which run dense weights under tensor "
                              "parallelism")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
-        if self.grammar_backend not in GRAMMAR_BACKENDS:
-            raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.max_prefill_tokens < 1:
@@ -144,12 +147,6 @@ class EngineArgs:
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
 
     def _validate_disaggregation(self) -> None:
-        if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got "
-                             f"{self.disaggregation_mode!r}")
-        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"disaggregation_transfer_backend must be one of {TRANSFER_BACKENDS}, got "
-                             f"{self.disaggregation_transfer_backend!r}")
         if not 1 <= self.disaggregation_bootstrap_port <= 65535:
             raise ValueError(f"disaggregation_bootstrap_port must be in [1, 65535], got "
                              f"{self.disaggregation_bootstrap_port}")
@@ -209,8 +206,7 @@ class ServerArgs:
         if (self.dp_size > 1 or self.pd_disaggregation) and self.api_key is not None:
             # sglang-router's --api-key authenticates it to workers; checking clients' keys is not wired up yet.
             raise ValueError("api_key with dp_size > 1 or pd_disaggregation is not supported yet")
-        if self.router_policy not in ROUTER_POLICIES:
-            raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
+        registry.check("router_policy", self.router_policy)
         if not 0 <= self.graceful_shutdown_timeout < float("inf"):
             raise ValueError(f"graceful_shutdown_timeout must be a finite number >= 0, got "
                              f"{self.graceful_shutdown_timeout}")
@@ -227,8 +223,9 @@ def add_dataclass_args(cls: type, parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         kind = int if "int" in f.type else float if "float" in f.type else str
-        parser.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=help_text,
-                            metavar=None if f.name in CHOICES else kind.__name__.upper())
+        named = registry.is_kind(f.name)
+        parser.add_argument(flag, type=kind, default=f.default, choices=registry.names(f.name) if named else None,
+                            help=help_text, metavar=None if named else kind.__name__.upper())
 
 
 def from_cli_args(cls: type, args: argparse.Namespace):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.base import ForwardBatch
-from ..attention.torch_native import TorchNativeAttention
+from ..attention.select import make_attention_backend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..config import EngineArgs
 from ..distributed.followers import Followers
@@ -23,9 +23,6 @@ from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
 from .launch import FutureTokens
-
-ATTENTION_BACKENDS = {"torch_native": TorchNativeAttention}
-
 
 @dataclass
 class SamplingInputs:
@@ -86,7 +83,7 @@ class ModelRunner:
             self.max_total_tokens, len(self.model.model.layers), attn.num_kv_heads, attn.head_dim, self.dtype,
             args.device,
         )
-        self.attn_backend = ATTENTION_BACKENDS[args.attention_backend]()
+        self.attn_backend = make_attention_backend(args.attention_backend, args.device)
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
         self.forward_calls = 0

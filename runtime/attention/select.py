@@ -1,0 +1,69 @@
+"""Which attention backend runs: the registered backends, and what "auto" and a GPU-only name mean on a device.
+
+Only backends that exist in this build are registered. flashinfer and triton are known names, so choosing one
+where it cannot run (no CUDA, or not built yet) is an error that says which, not an "unknown choice".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from .. import registry
+
+KIND = "attention_backend"
+AUTO = "auto"
+# Backends that run only on CUDA, in the order "auto" prefers them there.
+CUDA_ONLY = ("flashinfer", "triton")
+
+registry.register(KIND, AUTO)
+registry.register(KIND, "torch_native", f"{__package__}.torch_native:TorchNativeAttention")
+
+
+def cuda_available() -> bool:
+    import torch  # only asked for a CUDA device: keeps config validation on CPU free of the torch import
+
+    return torch.cuda.is_available()
+
+
+def flashinfer_importable() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def on_cuda(device: str) -> bool:
+    return device.startswith("cuda") and cuda_available()
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """The concrete backend `name` means on `device`; ValueError saying why when it cannot run there."""
+    if name == AUTO:
+        return _auto(device)
+    if name in CUDA_ONLY:
+        _check_cuda_only(name, device)
+    registry.check(KIND, name)
+    return name
+
+
+def make_attention_backend(name: str, device: str):
+    return registry.resolve(KIND, resolve_attention_backend(name, device))()
+
+
+def _auto(device: str) -> str:
+    if not on_cuda(device):
+        return "torch_native"
+    # Without the flashinfer package, triton (shipped with CUDA torch) is the next fastest.
+    preferred = CUDA_ONLY if flashinfer_importable() else CUDA_ONLY[1:]
+    return next((name for name in preferred if registry.is_registered(KIND, name)), "torch_native")
+
+
+def _check_cuda_only(name: str, device: str) -> None:
+    if not device.startswith("cuda"):
+        raise ValueError(f"attention_backend {name!r} runs only on CUDA, and device is {device!r}; "
+                         f"use 'auto' or 'torch_native'")
+    if not cuda_available():
+        raise ValueError(f"attention_backend {name!r} needs CUDA, and torch sees no CUDA device")
+    if name == "flashinfer" and not flashinfer_importable():
+        raise ValueError("attention_backend 'flashinfer' needs the flashinfer package, which is not installed; "
+                         "use 'auto' (triton or torch_native then)")
+    if not registry.is_registered(KIND, name):
+        raise ValueError(f"attention_backend {name!r} is not available in this build; "
+                         f"available: {registry.names(KIND)}")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import re
 import uuid
 from typing import Any
 
 from .io import Bootstrap, SchedulerReady, TokenizedGenerateReq
 from .sampling.params import SamplingParams
 
+# A DNS name, an IPv4 address or an IPv6 address (bare or in brackets): nothing that could bend the URL.
+HOST_PATTERN = re.compile(r"[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:.]+\]?")
 # Requests one call may create (prompts times n): a bound, so no call can queue without limit.
 MAX_REQUESTS_PER_CALL = 8192
 
@@ -70,7 +73,7 @@ class RequestBuilder:
                              f"bootstrap_port and bootstrap_room (sglang-router --pd-disaggregation adds them); "
                              f"missing {', '.join(missing)}")
         host, port, room = given["bootstrap_host"], given["bootstrap_port"], given["bootstrap_room"]
-        if not isinstance(host, str) or not host or len(host) > 255:
+        if not isinstance(host, str) or len(host) > 255 or not HOST_PATTERN.fullmatch(host):
             raise ValueError(f"bootstrap_host must be a host name or address, got {host!r}")
         if not _is_token_id(port) or not 1 <= port <= 65535:
             raise ValueError(f"bootstrap_port must be an integer in [1, 65535], got {port!r}")

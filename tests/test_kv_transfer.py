@@ -116,10 +116,14 @@ def test_bootstrap_fields_are_checked_per_mode(tokenizer, mode):
         return
     reqs, _ = build(**pairing)
     assert (reqs[0].bootstrap.host, reqs[0].bootstrap.port, reqs[0].bootstrap.room) == ("127.0.0.1", 8998, 12)
+    for host in ("prefill-0.cluster.local", "::1", "[fe80::1]"):
+        assert build(**{**pairing, "bootstrap_host": host})[0][0].bootstrap.host == host
     with pytest.raises(ValueError, match="missing bootstrap_room"):
         build(bootstrap_host="127.0.0.1", bootstrap_port=8998)
     for bad in ({"bootstrap_port": 0}, {"bootstrap_port": "8998"}, {"bootstrap_room": -1}, {"bootstrap_room": 2**64},
-                {"bootstrap_room": 1.5}, {"bootstrap_host": ""}, {"bootstrap_host": ["h"]}, {"bootstrap_room": True}):
+                {"bootstrap_room": 1.5}, {"bootstrap_host": ""}, {"bootstrap_host": ["h"]}, {"bootstrap_room": True},
+                {"bootstrap_host": "evil.example/x?"}, {"bootstrap_host": "user@host"}, {"bootstrap_host": "a b"},
+                {"bootstrap_host": "h\ud800"}):
         with pytest.raises(ValueError, match="bootstrap_"):
             build(**{**pairing, **bad})
     with pytest.raises(ValueError, match="single prompt"):

@@ -147,7 +147,7 @@ class BootstrapServer:
 async def claim_room(session: aiohttp.ClientSession, host: str, port: int, room: int,
                      destination: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Decode side: claim a room and wait for its outcome; {"error": ...} when it failed or nobody answered."""
-    url = f"http://{host}:{port}/rooms/{room}"
+    url = f"http://{f'[{host}]' if ':' in host and not host.startswith('[') else host}:{port}/rooms/{room}"
     try:
         async with session.post(url, json={**destination, "timeout": timeout},
                                 timeout=aiohttp.ClientTimeout(total=timeout + CLIENT_GRACE_S)) as response:

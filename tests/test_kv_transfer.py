@@ -147,3 +147,25 @@ def test_disaggregation_arguments_are_checked(fields, message):
 
     with pytest.raises(ValueError, match=message):
         EngineArgs(**fields)
+
+
+def test_bootstrap_service_refuses_malformed_claims():
+    """The real bootstrap service on loopback: bodies that are not claims get a 400 at once, nothing waits."""
+    import requests
+
+    from furcate.runtime.disaggregation.bootstrap import BootstrapServer
+
+    from .processes import free_port
+
+    port = free_port()
+    registry = RoomRegistry()
+    BootstrapServer(registry, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}/rooms/5"
+    for body in ("[1, 2]", '"text"', "{}", '{"timeout": "soon"}', '{"timeout": NaN}', '{"timeout": -1}',
+                 '{"timeout": 1e300}', "not json"):
+        response = requests.post(url, data=body, headers={"content-type": "application/json"}, timeout=10)
+        assert response.status_code == 400, (body, response.text)
+    assert requests.post(f"http://127.0.0.1:{port}/rooms/x", json={"timeout": 1}, timeout=10).status_code == 400
+    # A well-formed claim nobody serves times out with a 504 and leaves the room free again.
+    response = requests.post(url, json={"timeout": 0.2}, timeout=10)
+    assert response.status_code == 504 and registry.claim(5, {}) is not None

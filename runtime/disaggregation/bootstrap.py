@@ -24,6 +24,8 @@ from aiohttp import web
 # Beyond its own deadline, how long a decode server waits for a bootstrap service that stopped answering
 # before it assumes no write can still arrive.
 CLIENT_GRACE_S = 30.0
+# The longest a claim may ask to wait (a day): bounds what one call can hold.
+MAX_CLAIM_TIMEOUT_S = 86400.0
 
 
 @dataclass
@@ -128,7 +130,9 @@ class BootstrapServer:
             destination = await request.json()
             timeout = float(destination["timeout"])
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            return web.json_response({"error": "a claim needs a JSON body with a timeout"}, status=400)
+            return web.json_response({"error": "a claim needs a JSON object body with a timeout"}, status=400)
+        if not 0 < timeout <= MAX_CLAIM_TIMEOUT_S:  # also refuses NaN
+            return web.json_response({"error": f"timeout must be in (0, {MAX_CLAIM_TIMEOUT_S:g}] seconds"}, status=400)
         claim = self.registry.claim(room, destination)
         if claim is None:
             return web.json_response({"error": f"bootstrap_room {room} is claimed already"}, status=409)

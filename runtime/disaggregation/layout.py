@@ -16,13 +16,14 @@ class KVLayout:
 
     dtype: str
     slot_bytes: int
+    num_slots: int  # slots per layer buffer, slot 0 included: writes must land inside the registered buffers
     k_addrs: list[int]
     v_addrs: list[int]
 
     @classmethod
     def of(cls, pool: TokenToKVPool) -> "KVLayout":
         first = pool.k_buffer[0]
-        return cls(str(first.dtype).removeprefix("torch."), first[0].numel() * first.element_size(),
+        return cls(str(first.dtype).removeprefix("torch."), first[0].numel() * first.element_size(), first.shape[0],
                    [b.data_ptr() for b in pool.k_buffer], [b.data_ptr() for b in pool.v_buffer])
 
     def to_json(self) -> dict[str, Any]:
@@ -30,8 +31,8 @@ class KVLayout:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "KVLayout":
-        return cls(str(data["dtype"]), int(data["slot_bytes"]), [int(a) for a in data["k_addrs"]],
-                   [int(a) for a in data["v_addrs"]])
+        return cls(str(data["dtype"]), int(data["slot_bytes"]), int(data["num_slots"]),
+                   [int(a) for a in data["k_addrs"]], [int(a) for a in data["v_addrs"]])
 
     def mismatch(self, peer: "KVLayout") -> str | None:
         """Why K/V cannot be copied slot for slot into the peer's pool (different model or dtype), or None."""

@@ -112,8 +112,10 @@ class PrefillSender:
         if destination["digest"] != prompt_digest(held.req.input_ids):
             return "the prefill and decode servers tokenized the prompt differently; run both with one tokenizer"
         start, slots = int(destination["start"]), [int(s) for s in destination["slots"]]
-        if start + len(slots) != len(held.slots):
+        if not 0 <= start <= len(held.slots) or start + len(slots) != len(held.slots):
             return "the decode server reserved slots for a different prompt length"
+        if any(not 0 < s < peer.num_slots for s in slots):
+            return "the decode server named KV slots outside its pool"
         sources, destinations, lengths = write_list(self.layout, peer, held.slots[start:], slots)
         began = time.perf_counter()
         try:

@@ -33,7 +33,10 @@ class TransferSteps:
     def land(self, req: Req, outcome: dict[str, Any]) -> None:
         """Decode side: the prompt's K/V arrived with the first token (or the transfer failed)."""
         token = outcome.get("first_token")
-        if "error" in outcome or not isinstance(token, int) or not 0 <= token < self.runner.vocab_size:
+        valid = (isinstance(token, int) and not isinstance(token, bool) and 0 <= token < self.runner.vocab_size
+                 and isinstance(outcome.get("logprob"), (int, float, type(None)))
+                 and isinstance(outcome.get("top"), (list, type(None))))
+        if "error" in outcome or not valid:
             self.decode_receiver.discard(req)  # what those slots hold is not this prompt's K/V
             if not req.finished:
                 self.finish(req, bad_request(f"prefill/decode KV transfer failed: {outcome.get('error', outcome)}",

@@ -61,3 +61,20 @@ class AttentionBackend(Protocol):
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         ...
+
+
+class GraphAttentionBackend(AttentionBackend, Protocol):
+    """A backend whose decode forward can be captured in a CUDA graph (runtime/cuda_graph_runner.py).
+
+    A graph replays the kernels it captured with the tensors it captured, so for decode batches of a captured
+    size the backend must keep its metadata in buffers allocated once per size: each replay rewrites their
+    contents, never their addresses.
+    """
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: str) -> None:
+        """Allocate the fixed metadata buffers for decode batches of up to max_bs requests."""
+
+    def init_forward_metadata_graph(self, batch: ForwardBatch) -> None:
+        """Plan a decode batch of a captured size into the fixed buffers (before capture, and before each
+        replay), setting batch.attn_metadata to metadata that reads them."""
+

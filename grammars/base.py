@@ -100,12 +100,14 @@ class Compiled:
 
 
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
-    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    """In host memory, where matchers fill it (pinned when there is a GPU, so copying it there does not wait)."""
+    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32, device="cpu",
+                      pin_memory=torch.cuda.is_available())
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: logits of tokens whose bit is clear become -inf. logits [B, V], bitmask [B, ceil(V/32)]."""
     vocab = logits.shape[-1]
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
     allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
     logits.masked_fill_(~allowed, float("-inf"))

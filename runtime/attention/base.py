@@ -16,15 +16,18 @@ class ForwardBatch:
 
     Request b contributes `extend_lens[b]` new tokens at positions prefix_lens[b] .. seq_lens[b]-1;
     a decode step is the case extend_lens == 1.
+
+    The per-token tensors the model reads are on the KV pool's device; the per-request layout stays on the host,
+    beside the request table it indexes: backends plan from it on the host and copy what their kernels read.
     """
 
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    out_cache_loc: torch.Tensor  # [T] KV slots the new tokens are written to
-    req_pool_indices: torch.Tensor  # [B]
-    prefix_lens: torch.Tensor  # [B]
-    extend_lens: torch.Tensor  # [B]
-    seq_lens: torch.Tensor  # [B]
+    input_ids: torch.Tensor  # [T] device
+    positions: torch.Tensor  # [T] device
+    out_cache_loc: torch.Tensor  # [T] device: KV slots the new tokens are written to
+    req_pool_indices: torch.Tensor  # [B] host
+    prefix_lens: torch.Tensor  # [B] host
+    extend_lens: torch.Tensor  # [B] host
+    seq_lens: torch.Tensor  # [B] host
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: TokenToKVPool
     # Filled by the attention backend's init_forward_metadata, on the scheduler thread, before the forward runs
@@ -32,6 +35,10 @@ class ForwardBatch:
     attn_metadata: Any = None
     # Tensor parallel: the request-table entries followers copy, snapshotted beside attn_metadata for the same reason.
     tp_table: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_to_kv_pool.device
 
     @property
     def batch_size(self) -> int:

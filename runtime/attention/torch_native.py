@@ -11,6 +11,7 @@ stacked along the query axis, so SDPA sees KV heads as its heads.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,14 @@ class Bucket:
     def size(self) -> int:
         return self.kv_index.shape[0]
 
+    def to(self, device: torch.device) -> "Bucket":
+        """The bucket with its index tensors on the device that runs attention (planned on the host)."""
+        if device.type == "cpu":
+            return self
+        return dataclasses.replace(self, tokens=self.tokens.to(device), q_dest=self.q_dest.to(device),
+                                   kv_index=self.kv_index.to(device), causal=self.causal.to(device),
+                                   query_pos=self.query_pos.to(device), masks={})
+
     def mask(self, sliding_window: int | None, group: int) -> torch.Tensor:
         """[B, 1, group * max_q, max_k]: each request's mask repeated for the query heads of a KV group."""
         key = (sliding_window, group)
@@ -49,7 +58,7 @@ class Bucket:
             mask = self.causal
             if sliding_window is not None:
                 # A padded query row may lose every key here; its NaN output is dropped with the padding.
-                key_pos = torch.arange(self.max_k)
+                key_pos = torch.arange(self.max_k, device=self.query_pos.device)
                 mask = mask & ((self.query_pos[:, :, None] - key_pos[None, None, :]) < sliding_window)
             self.masks[key] = mask.repeat(1, group, 1)[:, None]
         return self.masks[key]
@@ -107,7 +116,8 @@ class TorchNativeAttention:
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
         groups = plan_all_buckets(batch)
-        batch.attn_metadata = [self._bucket(batch, torch.tensor(g), starts) for g in groups]
+        batch.attn_metadata = [self._bucket(batch, torch.tensor(g, device="cpu"), starts).to(batch.device)
+                               for g in groups]
 
     def begin_forward(self, batch: ForwardBatch) -> None:
         assert batch.attn_metadata is not None, "init_forward_metadata must run before the forward"
@@ -118,13 +128,14 @@ class TorchNativeAttention:
     def _bucket(batch: ForwardBatch, reqs: torch.Tensor, starts: torch.Tensor) -> Bucket:
         extend_lens, seq_lens, prefix_lens = batch.extend_lens[reqs], batch.seq_lens[reqs], batch.prefix_lens[reqs]
         max_q, max_k = int(extend_lens.max()), int(seq_lens.max())
-        local_req = torch.repeat_interleave(torch.arange(len(reqs)), extend_lens)
-        offset = torch.arange(int(extend_lens.sum())) - (torch.cumsum(extend_lens, 0) - extend_lens)[local_req]
+        local_req = torch.repeat_interleave(torch.arange(len(reqs), device="cpu"), extend_lens)
+        request_starts = torch.cumsum(extend_lens, 0) - extend_lens
+        offset = torch.arange(int(extend_lens.sum()), device="cpu") - request_starts[local_req]
         tokens = starts[reqs][local_req] + offset
-        key_pos = torch.arange(max_k)
+        key_pos = torch.arange(max_k, device="cpu")
         key_valid = key_pos[None, :] < seq_lens[:, None]
         table = batch.req_to_token_pool.req_to_token[batch.req_pool_indices[reqs], :max_k]
-        query_pos = prefix_lens[:, None] + torch.arange(max_q)[None, :]
+        query_pos = prefix_lens[:, None] + torch.arange(max_q, device="cpu")[None, :]
         shared = shared_prefix_len(table, prefix_lens)
         return Bucket(
             tokens=tokens,

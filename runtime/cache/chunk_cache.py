@@ -12,7 +12,7 @@ import torch
 from .base import MatchResult
 from .memory_pool import ReqToTokenPool, TokenToKVPool
 
-EMPTY = torch.empty(0, dtype=torch.int64)
+EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # KV slot lists are host bookkeeping
 
 
 class ChunkCache:

@@ -1,6 +1,11 @@
 """The two KV memory pools: request slot -> KV slot indices, and KV slot -> K/V tensors per layer.
 
 Page size is 1: any free KV slot can hold any token, so there is no fragmentation.
+
+Where they live: the K/V buffers on the engine's device; the request table and every KV slot list (allocations,
+radix cache values) on the host. Those are the scheduler's bookkeeping, written and read on every step; on a GPU
+keeping them there would make each read a device sync. Attention backends copy what their kernels read of the
+table once per batch, when they plan it (attention/base.py).
 """
 
 from __future__ import annotations
@@ -11,9 +16,9 @@ import torch
 class ReqToTokenPool:
     """Row r lists, position by position, the KV slots of the request that holds row r."""
 
-    def __init__(self, size: int, max_context_len: int, device: str = "cpu") -> None:
+    def __init__(self, size: int, max_context_len: int) -> None:
         self.size = size
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device="cpu")
         self.free_slots = list(range(size))
 
     def available_size(self) -> int:
@@ -48,6 +53,7 @@ class TokenToKVPool:
         device: str = "cpu",
     ) -> None:
         self.size = size
+        self.device = torch.device(device)
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -64,7 +70,7 @@ class TokenToKVPool:
         # few large pieces (a prefill/decode transfer made 11x fewer writes per request with this).
         taken = sorted(self._free[len(self._free) - n :])
         del self._free[len(self._free) - n :]
-        return torch.tensor(taken, dtype=torch.int64)
+        return torch.tensor(taken, dtype=torch.int64, device="cpu")
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():

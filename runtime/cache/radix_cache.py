@@ -16,7 +16,7 @@ import torch
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from .base import MatchResult
 
-EMPTY = torch.empty(0, dtype=torch.int64)
+EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # KV slot lists are host bookkeeping
 
 
 class TreeNode:

@@ -53,7 +53,7 @@ def send_step(forward: ForwardBatch, logit_rows: torch.Tensor, pipes: list[Conne
     header = StepHeader(len(forward.input_ids), len(forward.seq_lens), len(logit_rows), len(forward.tp_table))
     for pipe in pipes:
         pipe.send(header)
-    dist.broadcast(torch.cat(parts).to(device), src=0)
+    dist.broadcast(torch.cat([part.to(device) for part in parts]), src=0)
 
 
 def receive_step(header: StepHeader, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
@@ -62,8 +62,10 @@ def receive_step(header: StepHeader, req_pool: ReqToTokenPool, kv_pool: TokenToK
     rows whose logits rank 0 computes."""
     packed = torch.empty(sum(header.sizes), dtype=torch.long, device=device)
     dist.broadcast(packed, src=0)
-    (input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens, seq_lens, logit_rows,
-     table) = packed.split(header.sizes)
+    (input_ids, positions, out_cache_loc, *on_host, logit_rows, table) = packed.split(header.sizes)
+    # The per-request layout and the table are host bookkeeping, as on rank 0 (attention/base.py).
+    req_pool_indices, prefix_lens, extend_lens, seq_lens = (part.cpu() for part in on_host)
+    table = table.cpu()
     width = int(seq_lens.max())
     rows = req_pool.req_to_token[req_pool_indices, :width]
     rows[_used(seq_lens, width)] = table

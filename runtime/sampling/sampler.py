@@ -36,15 +36,27 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor 
     if constrained:
         if logits is raw:
             logits = logits.clone()
-        index = torch.tensor(constrained)
-        masked = logits[index]
-        apply_bitmask(masked, bitmask[index])
-        logits[index] = masked
+        mask_rows(logits, bitmask, constrained)
     next_ids = logits.argmax(dim=-1)
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
         next_ids[random_rows] = sample_random(logits[random_rows], [rows[i] for i in random_rows])
     return next_ids
+
+
+def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: in each listed row, tokens the row's grammar bitmask (host memory, filled by the matchers)
+    disallows become -inf. On a GPU, xgrammar's kernel masks the rows there; elsewhere plain torch does."""
+    if logits.device.type == "cuda":
+        import xgrammar  # its CUDA kernel; imported only on the GPU path
+
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+        return
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits[index]
+    apply_bitmask(masked, bitmask[index].to(logits.device))
+    logits[index] = masked
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -60,8 +72,8 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     for i in needs:
         row, params = rows[i], rows[i].params
         if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-            logits[i, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if params.has_penalties:
             apply_penalties(logits[i], row)
         if len(row.output_ids) < params.min_new_tokens and row.stop_ids:
@@ -74,11 +86,12 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     frequency and presence penalties see the output only."""
     params = row.params
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long, device=logits.device)
         scores = logits[seen]
         logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
     if row.output_ids and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(row.output_ids), minlength=logits.shape[-1]).to(logits.dtype)
+        output_ids = torch.tensor(row.output_ids, device=logits.device)
+        counts = torch.bincount(output_ids, minlength=logits.shape[-1]).to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -94,12 +107,14 @@ def sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     whole batch at once, by inverse CDF: each row's uniform number, a function of its seed and output position
     only, picks the token where the running sum of kept probabilities passes it. Kept tokens are ordered by
     (probability descending, id ascending) whatever the batch, so a seeded row draws the same token in any batch."""
-    temperature = torch.tensor([row.params.temperature for row in rows], dtype=logits.dtype)
+    device = logits.device
+    temperature = torch.tensor([row.params.temperature for row in rows], dtype=logits.dtype, device=device)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    uniform = torch.tensor([_uniform(row.seed, len(row.output_ids)) for row in rows], dtype=torch.float64)
+    uniform = torch.tensor([_uniform(row.seed, len(row.output_ids)) for row in rows], dtype=torch.float64,
+                           device=device)
     filtered = torch.tensor([row.params.top_k > 0 or row.params.top_p < 1.0 or row.params.min_p > 0.0
-                             for row in rows])
-    picked = torch.empty(len(rows), dtype=torch.long)
+                             for row in rows], device=device)
+    picked = torch.empty(len(rows), dtype=torch.long, device=device)
     plain = (~filtered).nonzero().flatten()
     if len(plain):
         picked[plain] = _blockwise_inverse_cdf(probs[plain], uniform[plain])
@@ -136,10 +151,11 @@ def _canonical(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
 def _keep_mask(sorted_probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Which of each row's tokens (sorted by probability, descending) its filters keep; the top one always."""
     width = sorted_probs.shape[-1]
-    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else width for row in rows])
-    top_p = torch.tensor([row.params.top_p for row in rows], dtype=sorted_probs.dtype)
-    min_p = torch.tensor([row.params.min_p for row in rows], dtype=sorted_probs.dtype)
-    keep = torch.arange(width)[None, :] < top_k[:, None]
+    device = sorted_probs.device
+    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else width for row in rows], device=device)
+    top_p = torch.tensor([row.params.top_p for row in rows], dtype=sorted_probs.dtype, device=device)
+    min_p = torch.tensor([row.params.min_p for row in rows], dtype=sorted_probs.dtype, device=device)
+    keep = torch.arange(width, device=device)[None, :] < top_k[:, None]
     # Keep the smallest head whose mass reaches top_p (the token that crosses it stays).
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     keep &= mass_before < top_p[:, None]
@@ -173,7 +189,7 @@ def _blockwise_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.
     for i in (block_sums.gather(1, block[:, None])[:, 0] <= 0).nonzero().flatten().tolist():
         block[i] = int((block_sums[i, : block[i] + 1] > 0).nonzero().max())
     before = block_cdf.gather(1, block[:, None])[:, 0] - block_sums.gather(1, block[:, None])[:, 0]
-    inside = padded[torch.arange(rows), block]
+    inside = padded[torch.arange(rows, device=probs.device), block]
     fraction = ((target - before) / inside.sum(-1)).clamp(0.0, 1.0)
     return block * BLOCK + _inverse_cdf(inside, fraction)
 

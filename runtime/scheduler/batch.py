@@ -79,13 +79,15 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
         logit_ranges.append(range(rows.start + shift, rows.stop + shift) if rows else range(0))
         req.kv_len = end
         offset += piece.length
-    starts = torch.tensor([s.start for s in slices], dtype=torch.long)
-    extend_lens = torch.tensor(lengths, dtype=torch.long)
+    host = dict(dtype=torch.long, device="cpu")
+    starts = torch.tensor([s.start for s in slices], **host)
+    extend_lens = torch.tensor(lengths, **host)
+    device = kv_pool.device
     forward = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long),
-        positions=torch.cat([torch.arange(s.start, s.start + s.length) for s in slices]),
-        out_cache_loc=slots,
-        req_pool_indices=torch.tensor([s.req.req_pool_idx for s in slices], dtype=torch.long),
+        input_ids=to_device(torch.tensor(input_ids, **host), device),
+        positions=to_device(torch.cat([torch.arange(s.start, s.start + s.length, **host) for s in slices]), device),
+        out_cache_loc=to_device(slots, device),
+        req_pool_indices=torch.tensor([s.req.req_pool_idx for s in slices], **host),
         prefix_lens=starts,
         extend_lens=extend_lens,
         seq_lens=starts + extend_lens,
@@ -93,3 +95,13 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
         token_to_kv_pool=kv_pool,
     )
     return ScheduleBatch(slices, forward, logit_ranges)
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; from pinned memory and without waiting, when that is a GPU."""
+    if values.device == device:
+        return values
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+

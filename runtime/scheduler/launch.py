@@ -50,15 +50,13 @@ class FutureTokens:
         return -(req.future_slot + 1)
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Input ids with placeholders replaced by the tokens earlier batches wrote."""
-        placeholders = input_ids < 0
-        if not bool(placeholders.any()):
-            return input_ids
-        return input_ids.masked_scatter(placeholders, self.buffer[-input_ids[placeholders] - 1])
+        """Input ids with placeholders replaced by the tokens earlier batches wrote. Without asking which ids are
+        placeholders (on a GPU that would wait for the device): real ids read slot 0 and keep their own value."""
+        return torch.where(input_ids < 0, self.buffer[(-input_ids - 1).clamp(min=0)], input_ids)
 
     def publish(self, batch: ScheduleBatch, next_ids: torch.Tensor) -> None:
         if batch.future_slots:
-            self.buffer[torch.tensor(batch.future_slots)] = next_ids
+            self.buffer[torch.tensor(batch.future_slots, device=self.buffer.device)] = next_ids
 
     @staticmethod
     def settle(req: Req, slots: Iterator[int]) -> bool:

@@ -78,7 +78,7 @@ class ModelRunner:
 
             self.quantized_layers = apply_quantization(self.model, args.quantization, model_path)
         attn = self.model.model.layers[0].self_attn  # this rank's KV heads
-        self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length + 1, args.device)
+        self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length + 1)
         self.kv_pool = TokenToKVPool(
             self.max_total_tokens, len(self.model.model.layers), attn.num_kv_heads, attn.head_dim, self.dtype,
             args.device,
@@ -114,7 +114,7 @@ class ModelRunner:
         started = time.perf_counter()
         forward = batch.forward
         forward.input_ids = self.future_tokens.resolve(forward.input_ids)
-        rows = torch.tensor([i for r in batch.logit_ranges for i in r], dtype=torch.long)
+        rows = torch.tensor([i for r in batch.logit_ranges for i in r], dtype=torch.long, device=forward.device)
         if self.followers is not None:
             self.followers.run_step(forward, rows)
         logits = self.run_forward(forward, rows)
@@ -152,13 +152,14 @@ class ModelRunner:
         req = piece.req
         logprobs = torch.log_softmax(slice_logits, dim=-1)
         if piece.samples:
-            chosen = torch.tensor([result.next_ids[b]])
+            chosen = torch.tensor([result.next_ids[b]], device=logprobs.device)
             result.output_logprobs[b] = token_logprobs(logprobs[-1:], chosen)[0]
             result.output_top[b] = top_logprobs(logprobs[-1:], req.top_logprobs_num)[0]
         if piece.input_rows:
             prompt_rows = logprobs[: len(piece.input_rows)]
             # Row p predicts prompt token p + 1.
-            targets = torch.tensor(req.input_ids[piece.input_rows.start + 1 : piece.input_rows.stop + 1])
+            targets = torch.tensor(req.input_ids[piece.input_rows.start + 1 : piece.input_rows.stop + 1],
+                                   device=logprobs.device)
             result.input_logprobs[b] = token_logprobs(prompt_rows, targets)
             if req.top_logprobs_num > 0:
                 result.input_top[b] = top_logprobs(prompt_rows, req.top_logprobs_num)

@@ -13,7 +13,7 @@ from ..io import Bootstrap, ReqOutput, TokenizedGenerateReq
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
 
-EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+EMPTY_SLOTS = torch.empty(0, dtype=torch.int64, device="cpu")
 
 
 @dataclass

@@ -33,16 +33,16 @@ class EngineArgs:
     model_path: str = "default"
     # Where the tokenizer lives, when not beside the model.
     tokenizer_path: str | None = None
-    # Weights and KV cache precision; auto: bfloat16 on CPUs with native bfloat16 (avx512_bf16, AMX) or for a
-    # bfloat16 checkpoint, float32 otherwise.
+    # Weights and KV cache precision; auto: on CUDA bfloat16 (float16 for a float16 checkpoint); on CPU bfloat16
+    # where it is native (avx512_bf16, AMX) or for a bfloat16 checkpoint, float32 otherwise.
     dtype: str = "auto"
     # Weight-only quantization of a model given as a GGUF file (including the default model): gguf runs its
     # Q4_0/Q4_1/Q8_0 tensors on torch's int4/int8 CPU kernels (least memory); auto, where the CPU has native
     # bfloat16, runs those kernels for batches of up to 8 rows and dense weights above (fastest); none
-    # dequantizes every weight to dtype.
+    # dequantizes every weight to dtype. The kernels are the CPU's: on CUDA auto means none.
     quantization: str = "auto"
-    # The torch device the model runs on.
-    device: str = "cpu"
+    # The torch device the model runs on; auto: CUDA when torch sees a CUDA device, else the CPU.
+    device: str = "auto"
     # Tensor parallelism: the model's heads, MLP columns and vocabulary split over this many processes (gloo on
     # CPU, NCCL on GPU); the scheduler process is rank 0. Runs dense weights (quantization auto means none).
     tp_size: int = 1
@@ -50,8 +50,9 @@ class EngineArgs:
     context_length: int | None = None
     # Memory: an explicit token count wins over the fraction of free RAM.
     max_total_tokens: int | None = None
-    # Share of free memory given to the KV cache when max_total_tokens is not set.
-    mem_fraction_static: float = 0.2
+    # When max_total_tokens is not set: on CPU the share of free RAM given to the KV cache (default 0.2); on a GPU
+    # the share of its memory for weights and KV cache together (default 0.85, SGLang's meaning).
+    mem_fraction_static: float | None = None
     # Requests decoding at once (the continuous batch's size limit).
     max_running_requests: int = 128
     # Requests allowed to wait beyond the running batch; a new one past that is refused at once (the server
@@ -90,8 +91,8 @@ class EngineArgs:
     # elsewhere (only backends this build has are picked).
     attention_backend: str = "auto"
     # CUDA devices: decode batches replay CUDA graphs captured for a ladder of batch sizes (runtime/cuda_graph.py)
-    # unless disabled; batches above the largest captured size run eagerly. Capture comes with the GPU attention
-    # backends; until then these two settings only shape the ladder.
+    # unless disabled; batches above the largest captured size run eagerly. Needs an attention backend with fixed
+    # metadata buffers (flashinfer, triton); not under tensor parallelism.
     disable_cuda_graph: bool = False
     # Largest decode batch captured; None: 256 (never more than max_running_requests).
     cuda_graph_max_bs: int | None = None
@@ -120,7 +121,8 @@ class EngineArgs:
     def validate(self) -> None:
         for name in ENGINE_CHOICE_FIELDS:
             registry.check(name, getattr(self, name))
-        resolve_attention_backend(self.attention_backend, self.device)
+        if self.attention_backend != "auto":  # auto always resolves; resolving it on device auto imports torch
+            resolve_attention_backend(self.attention_backend, self.device)
         if not 1 <= self.tp_size <= MAX_TP_SIZE:
             raise ValueError(f"tp_size must be in [1, {MAX_TP_SIZE}], got {self.tp_size}")
         if self.tp_size > 1 and self.quantization == "gguf":
@@ -129,7 +131,7 @@ class EngineArgs:
                              "parallelism")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
-        if not 0.0 < self.mem_fraction_static < 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

@@ -55,7 +55,7 @@ def pad_decode_batch(batch: ForwardBatch, size: int) -> PaddedDecode:
     goes to KV slot 0, which the pool never hands out, so it overwrites nothing live. Its req_pool_indices is
     row 0: it reads one table entry, whatever that holds, and its output is dropped."""
     real = batch.batch_size
-    if not batch.is_decode:
+    if int(batch.extend_lens.max()) != 1:
         raise ValueError("only decode batches (one new token per request) are padded for CUDA graphs")
     if size < real:
         raise ValueError(f"cannot pad a batch of {real} requests to {size}")

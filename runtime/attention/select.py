@@ -29,12 +29,20 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
+def resolve_device(device: str) -> str:
+    """"auto": CUDA when torch sees a CUDA device, else the CPU; any other name as given."""
+    if device != AUTO:
+        return device
+    return "cuda" if cuda_available() else "cpu"
+
+
 def on_cuda(device: str) -> bool:
-    return device.startswith("cuda") and cuda_available()
+    return resolve_device(device).startswith("cuda") and cuda_available()
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
     """The concrete backend `name` means on `device`; ValueError saying why when it cannot run there."""
+    device = resolve_device(device) if name != "torch_native" else device
     if name == AUTO:
         return _auto(device)
     if name in CUDA_ONLY:

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
+import logging
+import math
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
 
 from ..attention.base import ForwardBatch
 from ..attention.select import make_attention_backend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..config import EngineArgs
+from ..cuda_graph import capture_batch_sizes
+from ..cuda_graph_runner import CudaGraphRunner, supports_cuda_graphs
 from ..distributed.followers import Followers
 from ..distributed.parallel_state import TensorParallel
 from ..distributed.spawn import Spawned, spawn_followers
@@ -23,6 +30,14 @@ from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
 from .launch import FutureTokens
+
+logger = logging.getLogger("furcate.model_runner")
+
+# mem_fraction_static's defaults: on CPU the share of free RAM for the KV cache; on a GPU the share of its memory
+# for weights and KV cache (SGLang's meaning there; the rest is for activations and CUDA graphs).
+CPU_MEM_FRACTION = 0.2
+GPU_MEM_FRACTION = 0.85
+
 
 @dataclass
 class SamplingInputs:
@@ -51,10 +66,10 @@ class ModelRunner:
 
     def __init__(self, args: EngineArgs, model_path: str, rank: int = 0, spawned: Spawned | None = None) -> None:
         self.config = load_config(model_path)
-        self.dtype = resolve_dtype(args.dtype, self.config)
+        self.dtype = resolve_dtype(args.dtype, self.config, args.device)
         self.tp = TensorParallel(rank, args.tp_size)
         self.context_length = args.context_length or self.config.max_position_embeddings
-        self.max_total_tokens = args.max_total_tokens or self._tokens_from_memory(args)
+        self.max_total_tokens = args.max_total_tokens or self._tokens_from_memory(args, model_path)
         self.followers: Followers | None = None
         if rank == 0 and self.tp.size > 1:
             # Told before this rank loads, so every rank loads its shard at once; they share this pool size.
@@ -72,8 +87,12 @@ class ModelRunner:
     def _load(self, args: EngineArgs, model_path: str) -> None:
         self.model = load_model(model_path, self.dtype, args.device, self.tp)
         self.quantized_layers: list[str] = []
-        # The GGUF kernels hold whole tensors, so a split model runs dense (config refuses an explicit "gguf").
-        if args.quantization != "none" and self.tp.size == 1:
+        # The GGUF kernels hold whole tensors, so a split model runs dense (config refuses an explicit "gguf"); they
+        # are CPU kernels, so a GPU runs dense weights too.
+        if args.quantization == "gguf" and args.device != "cpu":
+            raise ValueError(f"quantization='gguf' runs torch's CPU kernels only; device is {args.device!r} "
+                             "(use quantization='auto' or 'none')")
+        if args.quantization != "none" and self.tp.size == 1 and args.device == "cpu":
             from ..model.quantize import apply_quantization  # gguf and its readers: not worth importing otherwise
 
             self.quantized_layers = apply_quantization(self.model, args.quantization, model_path)
@@ -84,21 +103,42 @@ class ModelRunner:
             args.device,
         )
         self.attn_backend = make_attention_backend(args.attention_backend, args.device)
+        self.graphs = self._capture_graphs(args)
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
         self.forward_calls = 0
         self.future_tokens = FutureTokens(args.device)
 
-    def _tokens_from_memory(self, args: EngineArgs) -> int:
-        # Every KV head counts, also under tensor parallelism: the ranks' pools share this host's memory.
+    def _capture_graphs(self, args: EngineArgs) -> CudaGraphRunner | None:
+        """Decode CUDA graphs on a GPU, unless disabled; not under tensor parallelism (each rank would need its own
+        graphs replayed in step) nor with a backend whose metadata has no fixed buffers (torch_native)."""
+        sizes = capture_batch_sizes(args)
+        if not sizes or self.tp.size > 1 or not supports_cuda_graphs(self.attn_backend):
+            if sizes:
+                logger.warning("decode runs without CUDA graphs: %s", "tensor parallelism" if self.tp.size > 1
+                               else f"attention backend {type(self.attn_backend).__name__} cannot be captured")
+            return None
+        return CudaGraphRunner(self.model, self.attn_backend, sizes, self.req_pool, self.kv_pool, args.device)
+
+    def _tokens_from_memory(self, args: EngineArgs, model_path: str) -> int:
         _, num_kv_heads, head_dim = attention_shape(self.config)
-        per_token = TokenToKVPool.bytes_per_token(self.config.num_hidden_layers, num_kv_heads, head_dim, self.dtype)
-        budget = int(available_memory_bytes() * args.mem_fraction_static)
+        if args.device.startswith("cuda"):
+            # Each rank's own GPU: its share of the KV heads, in what its free memory holds once its weights load.
+            per_token = TokenToKVPool.bytes_per_token(self.config.num_hidden_layers,
+                                                      max(num_kv_heads // self.tp.size, 1), head_dim, self.dtype)
+            budget = gpu_kv_budget(args, checkpoint_bytes(model_path, self.dtype) // self.tp.size)
+        else:
+            # Every KV head counts, also under tensor parallelism: the ranks' pools share this host's memory.
+            per_token = TokenToKVPool.bytes_per_token(self.config.num_hidden_layers, num_kv_heads, head_dim,
+                                                      self.dtype)
+            budget = int(available_memory_bytes() * (args.mem_fraction_static or CPU_MEM_FRACTION))
         return max(budget // per_token, 256)
 
     def prepare(self, batch: ScheduleBatch) -> None:
         """Everything of a forward that reads scheduler state; runs on the scheduler thread."""
         self.future_tokens.reserve(batch)
+        if self.graphs is not None:  # padding rows come last: the batch's logit rows stay where they were
+            batch.forward = self.graphs.pad(batch.forward)
         self.attn_backend.init_forward_metadata(batch.forward)
         if self.followers is not None:
             snapshot_table(batch.forward)
@@ -117,7 +157,10 @@ class ModelRunner:
         rows = torch.tensor([i for r in batch.logit_ranges for i in r], dtype=torch.long, device=forward.device)
         if self.followers is not None:
             self.followers.run_step(forward, rows)
-        logits = self.run_forward(forward, rows)
+        if self.graphs is not None and self.graphs.can_replay(forward):
+            logits = self.graphs.replay(forward)[rows]
+        else:
+            logits = self.run_forward(forward, rows)
         self.forward_seconds += time.perf_counter() - started
         self.forward_calls += 1
         return logits
@@ -171,3 +214,26 @@ def available_memory_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
+
+
+def gpu_kv_budget(args: EngineArgs, weight_bytes: int) -> int:
+    """Bytes of KV cache on the GPU: SGLang's mem_fraction_static is the share of the GPU's memory for weights
+    and KV cache together; the rest stays free for activations, CUDA graphs and other processes' use."""
+    fraction = args.mem_fraction_static or GPU_MEM_FRACTION
+    free, total = torch.cuda.mem_get_info(torch.device(args.device))
+    budget = free - weight_bytes - int(total * (1 - fraction))
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free, weights "
+                         f"{weight_bytes / 2**30:.1f} GiB, mem_fraction_static={fraction} of "
+                         f"{total / 2**30:.1f} GiB; raise mem_fraction_static or pass max_total_tokens")
+    return budget
+
+
+def checkpoint_bytes(model_path: str, dtype: torch.dtype) -> int:
+    """The weights' size in `dtype`, from the safetensors headers (no tensor is read)."""
+    elements = 0
+    for file in glob.glob(os.path.join(model_path, "*.safetensors")):
+        with safe_open(file, framework="pt") as handle:
+            elements += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+    return elements * torch.finfo(dtype).bits // 8
+

@@ -7,6 +7,7 @@ an authenticated connection that then carries every message both ways.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -19,7 +20,10 @@ AUTHKEY_ENV = "FURCATE_SCHEDULER_AUTHKEY"
 def serve(conn: Connection) -> None:
     from ..distributed.spawn import spawn_followers
 
+    from ..attention.select import resolve_device
+
     args, model_path, tokenizer_path = conn.recv()
+    args = dataclasses.replace(args, device=resolve_device(args.device))  # once, for this process and its ranks
     # Tensor-parallel followers import torch and the model code while this process does the same.
     followers = spawn_followers(args.tp_size - 1) if args.tp_size > 1 else None
 

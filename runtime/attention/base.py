@@ -74,14 +74,17 @@ class GraphAttentionBackend(AttentionBackend, Protocol):
     """A backend whose decode forward can be captured in a CUDA graph (runtime/cuda_graph_runner.py).
 
     A graph replays the kernels it captured with the tensors it captured, so for decode batches of a captured
-    size the backend must keep its metadata in buffers allocated once per size: each replay rewrites their
-    contents, never their addresses.
+    size the backend keeps its metadata in buffers allocated once per size: each replay rewrites their contents,
+    never their addresses. The work splits in two: init_forward_metadata plans the (padded) batch on the
+    scheduler thread into fresh tensors as for any batch; init_forward_metadata_graph then copies that plan into
+    the fixed buffers on the forward thread, in stream order after the previous batch, so the overlap loop never
+    rewrites a buffer a running graph reads.
     """
 
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: str) -> None:
         """Allocate the fixed metadata buffers for decode batches of up to max_bs requests."""
 
     def init_forward_metadata_graph(self, batch: ForwardBatch) -> None:
-        """Plan a decode batch of a captured size into the fixed buffers (before capture, and before each
-        replay), setting batch.attn_metadata to metadata that reads them."""
-
+        """On the forward thread, before capture and before each replay of a decode batch of a captured size
+        (batch.attn_metadata planned by init_forward_metadata): write the plan into the fixed buffers and point
+        batch.attn_metadata at metadata that reads them."""

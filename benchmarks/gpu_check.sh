@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Every check of the GPU path that needs a GPU, in one run, ending with one table:
+#   1. the GPU tests: tests/test_gpu.py (greedy == HF transformers for each attention backend, CUDA graphs on and
+#      off, overlap loop, chunked prefill, radix cache; grammar masks and sampling on the GPU),
+#      tests/test_flashinfer_backend.py and tests/test_triton_attention.py (backends against torch_native on CUDA);
+#   2. benchmarks/gpu.py (decode tok/s at batch 1/8/64/256 with and without graphs, prefill tok/s, bandwidth share
+#      at batch 1, overlap vs plain at batch 64).
+#
+# Two steps:
+#   benchmarks/gpu_check.sh --prepare   here, with furcate's dev environment: copies the default model's tokenizer
+#                                        into .gpu/ and downloads the wheels a bare CUDA machine lacks into .whl/
+#                                        (both git-ignored through .git/info/exclude)
+#   benchmarks/gpu_check.sh             on the GPU machine, from the repository root (OUT: where results go)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+if [ "${1:-}" = "--prepare" ]; then
+  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+  mkdir -p .gpu/tokenizer .whl
+  model=$(python -c "from furcate.runtime.model.default_model import prepare_default_model as p; print(p())")
+  for f in tokenizer.json tokenizer_config.json special_tokens_map.json chat_template.jinja; do
+    [ -f "$model/$f" ] && cp "$model/$f" .gpu/tokenizer/
+  done
+  version() { python -m pip show "$1" | awk '/^Version:/ {print $2}'; }
+  for package in xgrammar outlines-core llguidance; do
+    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d .whl "$package==$(version "$package")"
+  done
+  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl flashinfer-python==0.6.0
+  ls -la .whl .gpu/tokenizer
+  exit 0
+fi
+
+out=${OUT:-/tmp/furcate-gpu}
+mkdir -p "$out"
+# The repository root is the furcate package: make it importable under that name.
+mkdir -p /tmp/furcate-pkg && ln -sfn "$root" /tmp/furcate-pkg/furcate
+export PYTHONPATH=/tmp/furcate-pkg${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+export FURCATE_TOKENIZER_DIR=$root/.gpu/tokenizer PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+cd /tmp/furcate-pkg
+set +e
+tests=()
+for name in test_gpu test_flashinfer_backend test_triton_attention; do
+  [ -f "furcate/tests/$name.py" ] && tests+=("furcate/tests/$name.py")
+done
+python3 -m pytest -q -p no:cacheprovider "${tests[@]}" --junitxml "$out/gpu-tests.xml" 2>&1 |
+  tee "$out/gpu-tests.log" | tail -30
+python3 -m furcate.benchmarks.gpu --tokenizer "$FURCATE_TOKENIZER_DIR" --out "$out" > "$out/gpu-bench.log" 2>&1
+bench=$?
+set -e
+tail -5 "$out/gpu-bench.log"
+
+python3 - "$out" "$bench" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+out, bench = Path(sys.argv[1]), int(sys.argv[2])
+print("\n| check | result |\n|---|---|")
+try:
+    cases = ET.parse(out / "gpu-tests.xml").getroot().iter("testcase")
+    by_file: dict[str, list[int]] = {}
+    for case in cases:
+        counts = by_file.setdefault(case.get("classname", "?").split(".")[-1], [0, 0, 0])
+        kinds = {child.tag for child in case}
+        counts[2 if "skipped" in kinds else 1 if kinds & {"failure", "error"} else 0] += 1
+    for name, (passed, failed, skipped) in sorted(by_file.items()):
+        print(f"| {name} | {passed} passed, {failed} failed, {skipped} skipped |")
+except (OSError, ET.ParseError) as error:
+    print(f"| GPU tests | no results: {error} |")
+table = out / "gpu.md"
+if bench == 0 and table.exists():
+    for line in table.read_text().splitlines()[2:]:
+        print(line)
+else:
+    print(f"| benchmarks/gpu.py | failed (exit {bench}); see gpu-bench.log |")
+EOF

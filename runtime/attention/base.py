@@ -42,6 +42,18 @@ class ForwardBatch:
         return int(self.extend_lens.max()) == 1 and int(self.prefix_lens.min()) > 0
 
 
+@dataclass(frozen=True)
+class ModelAttention:
+    """What a backend that plans ahead must know of the model before any layer runs: FlashInfer plans a batch
+    (head counts, softmax scale, sliding window, dtypes) in init_forward_metadata, before it sees a query."""
+
+    num_heads: int  # query heads on this rank
+    head_dim: int
+    scaling: float
+    dtype: torch.dtype
+    windows: frozenset[int | None] = frozenset({None})  # the layers' sliding windows; None: full attention
+
+
 class AttentionBackend(Protocol):
     """Writes a layer's new K/V into the pool, then attends each new query over its request's whole KV."""
 

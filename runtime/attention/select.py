@@ -7,8 +7,12 @@ where it cannot run (no CUDA, or not built yet) is an error that says which, not
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 from .. import registry
+
+if TYPE_CHECKING:  # torch stays unimported for config validation on CPU
+    from .base import ModelAttention
 
 KIND = "attention_backend"
 AUTO = "auto"
@@ -43,8 +47,15 @@ def resolve_attention_backend(name: str, device: str) -> str:
     return name
 
 
-def make_attention_backend(name: str, device: str):
-    return registry.resolve(KIND, resolve_attention_backend(name, device))()
+def make_attention_backend(name: str, device: str, model: ModelAttention | None = None):
+    """A backend flagged `needs_model` plans batches before any layer runs, so it is built with the model's
+    attention shape; the others learn what they need from each layer's call."""
+    backend = registry.resolve(KIND, resolve_attention_backend(name, device))
+    if not getattr(backend, "needs_model", False):
+        return backend()
+    if model is None:
+        raise ValueError(f"attention_backend {name!r} plans ahead and needs the model's attention shape")
+    return backend(model)
 
 
 def _auto(device: str) -> str:

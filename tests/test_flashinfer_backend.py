@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from furcate.runtime import registry
+from furcate.runtime.attention import select
 from furcate.runtime.attention.base import ForwardBatch, ModelAttention
 from furcate.runtime.attention.cascade import MIN_SHARED_TOKENS
 from furcate.runtime.attention.flashinfer_backend import (CascadeRun, FlashInferAttention, check_supported,
@@ -228,6 +230,48 @@ def test_graph_planning_needs_the_graph_state(fake_flashinfer):
 def test_models_the_kernels_cannot_run_are_refused_at_start(dtype, head_dim, reason):
     with pytest.raises(ValueError, match=reason):
         check_supported(ModelAttention(num_heads=4, head_dim=head_dim, scaling=0.1, dtype=dtype))
+
+
+@pytest.fixture
+def reloaded_select(monkeypatch):
+    """select.py re-imported with flashinfer installed or not, over a copy of the registry."""
+    real_find_spec = importlib.util.find_spec
+
+    def reload(installed: bool):
+        monkeypatch.setitem(registry._ENTRIES, select.KIND, {})
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *rest: (object() if installed else None) if name == "flashinfer"
+                            else real_find_spec(name, *rest))
+        return importlib.reload(select)
+
+    yield reload
+    monkeypatch.undo()
+    importlib.reload(select)
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_flashinfer_is_registered_only_where_its_package_is_installed(reloaded_select, installed):
+    reloaded = reloaded_select(installed)
+    expected = ("auto", "torch_native", "flashinfer") if installed else ("auto", "torch_native")
+    assert registry.names(select.KIND) == expected
+    if installed:
+        assert registry._ENTRIES[select.KIND]["flashinfer"].target == \
+            "furcate.runtime.attention.flashinfer_backend:FlashInferAttention"
+    assert reloaded.resolve_attention_backend("auto", "cpu") == "torch_native"
+
+
+def test_make_attention_backend_builds_flashinfer_with_the_models_attention(reloaded_select, fake_flashinfer,
+                                                                            monkeypatch):
+    reloaded = reloaded_select(True)
+    monkeypatch.setattr(reloaded, "cuda_available", lambda: True)
+    shape = model(torch.bfloat16, (None, WINDOW))
+    backend = reloaded.make_attention_backend("auto", "cuda", shape)
+    assert isinstance(backend, FlashInferAttention) and backend.model == shape
+    with pytest.raises(ValueError, match="needs the model's attention shape"):
+        reloaded.make_attention_backend("flashinfer", "cuda")
+    with pytest.raises(ValueError, match="runs only on CUDA"):
+        reloaded.make_attention_backend("flashinfer", "cpu", shape)
+    assert isinstance(reloaded.make_attention_backend("torch_native", "cuda", shape), TorchNativeAttention)
 
 
 def test_the_runner_describes_each_layers_window():

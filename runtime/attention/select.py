@@ -1,7 +1,8 @@
 """Which attention backend runs: the registered backends, and what "auto" and a GPU-only name mean on a device.
 
-Only backends that exist in this build are registered. flashinfer and triton are known names, so choosing one
-where it cannot run (no CUDA, or not built yet) is an error that says which, not an "unknown choice".
+Only backends that exist in this build are registered: flashinfer when its package is installed. flashinfer and
+triton are known names, so choosing one where it cannot run (no CUDA, not installed, not built yet) is an error
+that says which, not an "unknown choice".
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def cuda_available() -> bool:
 
 def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
+
+
+# Registered by import path: the module (and flashinfer with it) is imported only when the backend is chosen.
+if flashinfer_importable():
+    registry.register(KIND, "flashinfer", f"{__package__}.flashinfer_backend:FlashInferAttention")
 
 
 def on_cuda(device: str) -> bool:

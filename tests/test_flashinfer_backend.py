@@ -56,6 +56,11 @@ SCENARIOS = {
 # Attention window per layer of a two-layer model.
 LAYER_WINDOWS = {"full": (None, None), "sliding": (None, WINDOW), "all_sliding": (WINDOW, WINDOW)}
 KV_HEADS = (8, 4, 2, 1)  # GQA groups 1, 2, 4, 8: CUDA-core and tensor-core decode
+# Every scenario and window in bfloat16, float16 on full attention (on a GPU each dtype and window is a kernel
+# FlashInfer compiles).
+CASES = [pytest.param(name, windows, torch.bfloat16, id=f"{name}-{windows}-bf16")
+         for name in SCENARIOS for windows in LAYER_WINDOWS]
+CASES += [pytest.param(name, "full", torch.float16, id=f"{name}-full-fp16") for name in SCENARIOS]
 
 
 def make_batch(shapes: list[tuple[int, int]], groups: list[int | None] | None, kv_heads: int, dtype: torch.dtype,
@@ -155,10 +160,8 @@ def fake_flashinfer(monkeypatch) -> Recorder:
 # -- on any machine: the fake FlashInfer ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kv_heads", KV_HEADS)
-@pytest.mark.parametrize("windows", LAYER_WINDOWS)
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("name, windows, dtype", CASES)
 def test_backend_over_the_fake_matches_torch_native(fake_flashinfer, name, windows, kv_heads, dtype):
     check_scenario(name, windows, kv_heads, dtype, "cpu")
 
@@ -333,15 +336,9 @@ def test_the_installed_flashinfer_keeps_the_conventions_the_backend_relies_on():
 
 # -- with CUDA and flashinfer: the real kernels -----------------------------------------------------------------------
 
-# bfloat16 everywhere, float16 where it needs no further kernels compiled (FlashInfer compiles per dtype and window).
-GPU_CASES = [pytest.param(name, windows, torch.bfloat16, id=f"{name}-{windows}-bf16")
-             for name in SCENARIOS for windows in LAYER_WINDOWS]
-GPU_CASES += [pytest.param(name, "full", torch.float16, id=f"{name}-full-fp16") for name in SCENARIOS]
-
-
 @needs_gpu
 @pytest.mark.parametrize("kv_heads", [8, 2, 1])
-@pytest.mark.parametrize("name, windows, dtype", GPU_CASES)
+@pytest.mark.parametrize("name, windows, dtype", CASES)
 def test_flashinfer_on_the_gpu_matches_torch_native(name, windows, kv_heads, dtype):
     check_scenario(name, windows, kv_heads, dtype, "cuda")
 
@@ -407,32 +404,37 @@ def _tiny_model_with_flashinfer_shapes(arch: str, root: Path) -> Path:
     return build_tiny_model(arch, root / arch, tokenizer_dir, head_dim=64, vocab_size=vocab)
 
 
-# Largest |logprob difference| against HF in the same dtype on the same GPU (tests/test_bf16.py measures the same
+# Largest |logprob difference| against HF in the same dtype on the same device (tests/test_bf16.py measures the same
 # on CPU); near-ties are where bfloat16 may legitimately pick another greedy token.
 LOGPROB_TOLERANCE = 0.05
+ENGINES = [
+    pytest.param("cuda", "flashinfer", torch.bfloat16, marks=needs_gpu, id="cuda-flashinfer-bf16"),
+    # The same check with the reference backend on CPU, so the test itself is exercised everywhere.
+    pytest.param("cpu", "torch_native", torch.float32, id="cpu-torch_native-f32"),
+]
 
 
-@needs_gpu
+@pytest.mark.parametrize("device, backend, dtype", ENGINES)
 @pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: every layer windowed, prompts past the window
-def test_engine_with_flashinfer_agrees_with_hf_on_the_gpu(arch, tmp_path):
+def test_engine_agrees_with_hf(arch, device, backend, dtype, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from furcate import Engine
 
     model_dir = _tiny_model_with_flashinfer_shapes(arch, tmp_path)
-    dtype = torch.bfloat16
+    dtype_name = str(dtype).removeprefix("torch.")
     prompts = [[1] + [(37 * i + 11 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([5, 30, 61, 90])]
-    with Engine(str(model_dir), device="cuda", attention_backend="flashinfer", dtype="bfloat16",
-                quantization="none", max_total_tokens=2000) as engine:
-        assert engine.info.dtype == "bfloat16"
+    with Engine(str(model_dir), device=device, attention_backend=backend, dtype=dtype_name, quantization="none",
+                grammar_backend="none", max_total_tokens=2000, torch_num_threads=2) as engine:
+        assert engine.info.dtype == dtype_name
         outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0,
                                                                    "ignore_eos": True},
                                return_logprob=True, logprob_start_len=1)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     for prompt, out in zip(prompts, outs):
         ids = prompt + out["output_ids"]
         with torch.inference_mode():
-            reference = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0].float(), -1).cpu()
+            reference = torch.log_softmax(hf(torch.tensor([ids], device=device)).logits[0].float(), -1).cpu()
         for position, (logprob, token, _) in enumerate(out["meta_info"]["input_token_logprobs"], start=1):
             assert abs(logprob - reference[position - 1, token].item()) < LOGPROB_TOLERANCE
         for step, token in enumerate(out["output_ids"]):  # greedy: HF's argmax, or within a near-tie of it

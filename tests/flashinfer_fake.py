@@ -12,6 +12,7 @@ each one to the real package's signatures where flashinfer is installed.
 
 from __future__ import annotations
 
+import importlib.machinery
 import types
 
 import torch
@@ -165,6 +166,7 @@ def make_module(recorder: Recorder) -> types.ModuleType:
         s.copy_(top + torch.log(weight + weight_other)[..., 0])
 
     module = types.ModuleType("flashinfer")
+    module.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)  # find_spec() answers for it as installed
     module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
     module.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     module.merge_state_in_place = merge_state_in_place

@@ -64,13 +64,15 @@ CASES += [pytest.param(name, "full", torch.float16, id=f"{name}-full-fp16") for 
 
 
 def make_batch(shapes: list[tuple[int, int]], groups: list[int | None] | None, kv_heads: int, dtype: torch.dtype,
-               device: str, seed: int = 0) -> ForwardBatch:
-    """A batch over random pools on `device`; its lengths and slots on the host, as the scheduler builds them."""
-    generator = torch.Generator().manual_seed(seed)
+               device: str, seed: int = 0, kv_pool: TokenToKVPool | None = None) -> ForwardBatch:
+    """A batch over random pools on `device` (new ones, or new slots of `kv_pool`); its lengths and slots on the
+    host, as the scheduler builds them."""
     req_pool = ReqToTokenPool(len(shapes) + 1, CONTEXT, device)
-    kv_pool = TokenToKVPool(2048, 2, kv_heads, HEAD_DIM, dtype, device)
-    for buffer in kv_pool.k_buffer + kv_pool.v_buffer:
-        buffer.copy_(torch.randn(buffer.shape, generator=generator))
+    if kv_pool is None:
+        generator = torch.Generator().manual_seed(seed)
+        kv_pool = TokenToKVPool(2048, 2, kv_heads, HEAD_DIM, dtype, device)
+        for buffer in kv_pool.k_buffer + kv_pool.v_buffer:
+            buffer.copy_(torch.randn(buffer.shape, generator=generator))
     heads: dict[int, torch.Tensor] = {}
     rows, out_cache, prefix_lens = [], [], []
     for (prefix_len, extend_len), group in zip(shapes, groups or [None] * len(shapes)):
@@ -352,21 +354,24 @@ def test_a_captured_decode_graph_replays_new_batches_of_its_size(windows):
     backend.init_cuda_graph_state(max_bs=size, max_context_len=CONTEXT, device=device)
     static_loc = torch.zeros(size, dtype=torch.long, device=device)
     static_qkv = [random_qkv(size, kv_heads, dtype, device, seed=layer) for layer in range(len(layer_windows))]
+    kv_pool = make_batch([(1, 1)], None, kv_heads, dtype, device).token_to_kv_pool  # the graph reads its buffers
 
-    def prepare(seed: int, real: int):
-        batch = make_batch([(9 + 11 * i + seed, 1) for i in range(real)], None, kv_heads, dtype, device, seed)
+    def prepare(seed: int, real: int) -> Reference:
+        """Plan a new batch of `real` requests padded to the captured size, as a replay does."""
+        batch = make_batch([(9 + 11 * i + seed, 1) for i in range(real)], None, kv_heads, dtype, device, seed,
+                           kv_pool)
         reference = Reference(batch)
         padded = pad_decode_batch(batch, size).batch
         padded.out_cache_loc = static_loc.copy_(padded.out_cache_loc)
         backend.init_forward_metadata_graph(padded)
         backend.begin_forward(padded)
-        return padded, reference
+        return reference
 
     def layers() -> list[torch.Tensor]:
         return [backend.forward(*static_qkv[layer], layer, SCALING, window)
                 for layer, window in enumerate(layer_windows)]
 
-    batch, _ = prepare(seed=0, real=size)
+    prepare(seed=0, real=size)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -376,7 +381,7 @@ def test_a_captured_decode_graph_replays_new_batches_of_its_size(windows):
     with torch.cuda.graph(graph):
         outputs = layers()
     for seed, real in [(1, 4), (2, 3), (3, 1)]:
-        batch, reference = prepare(seed, real)
+        reference = prepare(seed, real)
         for layer, (q, k, v) in enumerate(static_qkv):
             fresh = random_qkv(size, kv_heads, dtype, device, seed=100 * seed + layer)
             for static, new in zip((q, k, v), fresh):

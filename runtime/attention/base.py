@@ -88,5 +88,7 @@ class GraphAttentionBackend(AttentionBackend, Protocol):
 
     def init_forward_metadata_graph(self, batch: ForwardBatch) -> None:
         """Plan a decode batch of a captured size into the fixed buffers (before capture, and before each
-        replay), setting batch.attn_metadata to metadata that reads them."""
+        replay), setting batch.attn_metadata to metadata that reads them. Runs on the thread that replays, just
+        before the replay: every batch of a size shares the buffers, so planning ahead (as init_forward_metadata
+        does under the overlap loop) would rewrite them under a replay still queued."""
 

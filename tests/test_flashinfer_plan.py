@@ -10,7 +10,7 @@ import torch
 
 from furcate.runtime.attention.base import ForwardBatch
 from furcate.runtime.attention.cascade import MIN_SHARED_TOKENS
-from furcate.runtime.attention.flashinfer_plan import PagedKVPlan, plan_paged_kv
+from furcate.runtime.attention.flashinfer_plan import PagedKVPlan, plan_cascade, plan_paged_kv
 from furcate.runtime.attention.torch_native import TorchNativeAttention, plan_all_buckets
 from furcate.runtime.cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
@@ -135,3 +135,25 @@ def test_last_page_len_and_page_counts_at_page_boundaries():
     assert plan.kv_indptr.tolist() == [0, 1, 3, 4, 7]
     with pytest.raises(ValueError, match="page_size"):
         plan_paged_kv(batch, 0)
+
+
+def test_the_cascade_plan_splits_each_grouped_request_into_its_groups_prefix_and_its_own_slots():
+    rng = random.Random(0)
+    shapes = [(MIN_SHARED_TOKENS + 5, 3), (10, 4), (MIN_SHARED_TOKENS + 9, 1), (MIN_SHARED_TOKENS, 2)]
+    batch = make_batch(rng, 1, shapes, shared_prefix=0)
+    table = batch.req_to_token_pool.req_to_token[batch.req_pool_indices]  # request b's slots are row b
+    table[[2, 3], :MIN_SHARED_TOKENS] = table[0, :MIN_SHARED_TOKENS]  # requests 0, 2 and 3 share a cached prefix
+    batch.req_to_token_pool.req_to_token[batch.req_pool_indices] = table
+    plan = plan_cascade(batch, [[0, 2, 3]])
+    assert plan.rest.tolist() == [1] and plan.rest_tokens.tolist() == [3, 4, 5, 6]
+    assert plan.tokens.tolist() == [0, 1, 2, 7, 8, 9]  # request 0's rows, then 2's, then 3's
+    assert plan.shared.qo_indptr.tolist() == [0, 6] and plan.shared.kv_indptr.tolist() == [0, MIN_SHARED_TOKENS]
+    assert plan.shared.kv_indices.tolist() == table[0, :MIN_SHARED_TOKENS].tolist()
+    assert plan.unique.qo_indptr.tolist() == [0, 3, 4, 6]
+    for entry, request in enumerate([0, 2, 3]):
+        own = plan.unique.kv_indices[plan.unique.kv_indptr[entry] : plan.unique.kv_indptr[entry + 1]]
+        seq_len = int(batch.seq_lens[request])
+        assert own.tolist() == table[request, MIN_SHARED_TOKENS:seq_len].tolist()
+    assert {t.dtype for t in (plan.shared.kv_indices, plan.unique.kv_indptr, plan.unique.kv_last_page_len)} == \
+        {torch.int32}
+    assert plan_cascade(batch, [[0, 1]]) is None  # nothing shared: no cascade

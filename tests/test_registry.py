@@ -23,10 +23,15 @@ def machine(monkeypatch):
 
 
 @pytest.fixture
-def gpu_backends_built(monkeypatch):
-    """Stand-ins for the flashinfer and triton backends the GPU issue will register (test-only; never shipped)."""
-    entries = dict(registry._ENTRIES[select.KIND])
+def no_gpu_backends(monkeypatch):
+    """The registry as in a build without flashinfer or triton, whatever this machine has installed."""
+    entries = {name: entry for name, entry in registry._ENTRIES[select.KIND].items() if name not in select.CUDA_ONLY}
     monkeypatch.setitem(registry._ENTRIES, select.KIND, entries)
+
+
+@pytest.fixture
+def gpu_backends_built(no_gpu_backends):
+    """Stand-ins for the flashinfer and triton backends (test-only; never shipped)."""
     for name in select.CUDA_ONLY:
         registry.register(select.KIND, name, f"{name}_backend:Backend")
 
@@ -51,7 +56,7 @@ def test_auto_prefers_flashinfer_then_triton_on_cuda(machine, gpu_backends_built
     assert select.resolve_attention_backend("auto", device) == expected
 
 
-def test_auto_on_cuda_falls_back_to_torch_native_while_no_gpu_backend_is_built(machine):
+def test_auto_on_cuda_falls_back_to_torch_native_while_no_gpu_backend_is_built(machine, no_gpu_backends):
     machine(cuda=True, flashinfer=True)
     assert select.resolve_attention_backend("auto", "cuda") == "torch_native"
 
@@ -64,7 +69,8 @@ def test_auto_on_cuda_falls_back_to_torch_native_while_no_gpu_backend_is_built(m
     (True, True, "cuda", "flashinfer", "not available in this build"),
     (True, False, "cuda", "triton", "not available in this build"),
 ])
-def test_a_gpu_backend_where_it_cannot_run_says_why(machine, cuda, flashinfer, device, name, reason):
+def test_a_gpu_backend_where_it_cannot_run_says_why(machine, no_gpu_backends, cuda, flashinfer, device, name,
+                                                   reason):
     machine(cuda=cuda, flashinfer=flashinfer)
     with pytest.raises(ValueError, match=reason):
         EngineArgs(attention_backend=name, device=device)
@@ -117,4 +123,5 @@ def test_cli_choices_come_from_the_registry(gpu_backends_built):
 
 
 def test_cli_lists_only_the_attention_backends_this_build_has():
-    assert _choices(EngineArgs)["attention_backend"] == ("auto", "torch_native")
+    installed = ("flashinfer",) if select.flashinfer_importable() else ()
+    assert _choices(EngineArgs)["attention_backend"] == ("auto", "torch_native", *installed)

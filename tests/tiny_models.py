@@ -40,9 +40,12 @@ CONFIGS = {
 }
 
 
-def build_tiny_model(arch: str, directory: Path, tokenizer_dir: Path) -> Path:
+def build_tiny_model(arch: str, directory: Path, tokenizer_dir: Path, **overrides) -> Path:
+    """overrides: config fields to change (a kernel's supported head_dim, a smaller vocabulary)."""
     torch.manual_seed(0)
     config = CONFIGS[arch]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):

@@ -49,6 +49,18 @@ class ForwardBatch:
         return int(self.extend_lens.max()) == 1 and int(self.prefix_lens.min()) > 0
 
 
+@dataclass(frozen=True)
+class ModelAttention:
+    """What a backend that plans ahead must know of the model before any layer runs: FlashInfer plans a batch
+    (head counts, softmax scale, sliding window, dtypes) in init_forward_metadata, before it sees a query."""
+
+    num_heads: int  # query heads on this rank
+    head_dim: int
+    scaling: float
+    dtype: torch.dtype
+    windows: frozenset[int | None] = frozenset({None})  # the layers' sliding windows; None: full attention
+
+
 class AttentionBackend(Protocol):
     """Writes a layer's new K/V into the pool, then attends each new query over its request's whole KV."""
 
@@ -75,16 +87,16 @@ class GraphAttentionBackend(AttentionBackend, Protocol):
 
     A graph replays the kernels it captured with the tensors it captured, so for decode batches of a captured
     size the backend keeps its metadata in buffers allocated once per size: each replay rewrites their contents,
-    never their addresses. The work splits in two: init_forward_metadata plans the (padded) batch on the
-    scheduler thread into fresh tensors as for any batch; init_forward_metadata_graph then copies that plan into
-    the fixed buffers on the forward thread, in stream order after the previous batch, so the overlap loop never
-    rewrites a buffer a running graph reads.
+    never their addresses. init_forward_metadata still plans the (padded) batch on the scheduler thread as for any
+    batch; init_forward_metadata_graph then fills the fixed buffers on the forward thread, in stream order after
+    the previous batch, so the overlap loop never rewrites a buffer a running graph reads.
     """
 
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: str) -> None:
         """Allocate the fixed metadata buffers for decode batches of up to max_bs requests."""
 
     def init_forward_metadata_graph(self, batch: ForwardBatch) -> None:
-        """On the forward thread, before capture and before each replay of a decode batch of a captured size
-        (batch.attn_metadata planned by init_forward_metadata): write the plan into the fixed buffers and point
-        batch.attn_metadata at metadata that reads them."""
+        """On the forward thread, just before capture and before each replay of a decode batch of a captured size:
+        plan it into the fixed buffers and point batch.attn_metadata at metadata that reads them. Every batch of a
+        size shares the buffers, so planning ahead (as init_forward_metadata does under the overlap loop) would
+        rewrite them under a replay still queued."""

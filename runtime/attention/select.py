@@ -1,14 +1,19 @@
 """Which attention backend runs: the registered backends, and what "auto" and a GPU-only name mean on a device.
 
-Only backends that exist in this build are registered. flashinfer and triton are known names, so choosing one
-where it cannot run (no CUDA, or not built yet) is an error that says which, not an "unknown choice".
+Only backends that exist in this build are registered: flashinfer when its package is installed. flashinfer and
+triton are known names, so choosing one where it cannot run (no CUDA, not installed, not built yet) is an error
+that says which, not an "unknown choice".
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 from .. import registry
+
+if TYPE_CHECKING:  # torch stays unimported for config validation on CPU
+    from .base import ModelAttention
 
 KIND = "attention_backend"
 AUTO = "auto"
@@ -36,6 +41,11 @@ def resolve_device(device: str) -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
+# Registered by import path: the module (and flashinfer with it) is imported only when the backend is chosen.
+if flashinfer_importable():
+    registry.register(KIND, "flashinfer", f"{__package__}.flashinfer_backend:FlashInferAttention")
+
+
 def on_cuda(device: str) -> bool:
     return resolve_device(device).startswith("cuda") and cuda_available()
 
@@ -51,8 +61,15 @@ def resolve_attention_backend(name: str, device: str) -> str:
     return name
 
 
-def make_attention_backend(name: str, device: str):
-    return registry.resolve(KIND, resolve_attention_backend(name, device))()
+def make_attention_backend(name: str, device: str, model: ModelAttention | None = None):
+    """A backend flagged `needs_model` plans batches before any layer runs, so it is built with the model's
+    attention shape; the others learn what they need from each layer's call."""
+    backend = registry.resolve(KIND, resolve_attention_backend(name, device))
+    if not getattr(backend, "needs_model", False):
+        return backend()
+    if model is None:
+        raise ValueError(f"attention_backend {name!r} plans ahead and needs the model's attention shape")
+    return backend(model)
 
 
 def _auto(device: str) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
-from ..attention.base import ForwardBatch
+from ..attention.base import ForwardBatch, ModelAttention
 from ..attention.select import make_attention_backend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..config import EngineArgs
@@ -102,7 +102,8 @@ class ModelRunner:
             self.max_total_tokens, len(self.model.model.layers), attn.num_kv_heads, attn.head_dim, self.dtype,
             args.device,
         )
-        self.attn_backend = make_attention_backend(args.attention_backend, args.device)
+        self.attn_backend = make_attention_backend(args.attention_backend, args.device,
+                                                   model_attention(self.model, self.dtype))
         self.graphs = self._capture_graphs(args)
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
@@ -206,6 +207,13 @@ class ModelRunner:
             result.input_logprobs[b] = token_logprobs(prompt_rows, targets)
             if req.top_logprobs_num > 0:
                 result.input_top[b] = top_logprobs(prompt_rows, req.top_logprobs_num)
+
+
+def model_attention(model, dtype: torch.dtype) -> ModelAttention:
+    """This rank's attention shape, for backends that plan a batch before its layers run."""
+    layers = [layer.self_attn for layer in model.model.layers]
+    return ModelAttention(num_heads=layers[0].num_heads, head_dim=layers[0].head_dim, scaling=layers[0].scaling,
+                          dtype=dtype, windows=frozenset(a.sliding_window for a in layers))
 
 
 def available_memory_bytes() -> int:

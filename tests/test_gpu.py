@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from furcate.runtime.attention.select import flashinfer_importable
 from furcate.runtime.engine import Engine
 
 from .conftest import HFReference
@@ -22,7 +21,9 @@ from .tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh)")
 
-BACKENDS = ["torch_native", "triton"] + (["flashinfer"] if flashinfer_importable() else [])
+# flashinfer has no float32 kernels nor head_dim 16/32 (the tiny models'): its engine check against HF, in bf16 on
+# head_dim 64, is tests/test_flashinfer_backend.py's.
+BACKENDS = ["torch_native", "triton"]
 PROMPTS = [[1, 5, 9, 200, 31, 7], [1, 5, 9, 200, 31, 7, 44, 45], list(range(3, 70)), [1, 2000, 3000]]
 
 

@@ -3,10 +3,10 @@
 A decode step of a small batch is dozens of short kernels per layer; launching them one by one from Python costs
 more than running them. A captured graph launches them all at once. Each graph replays the exact tensors it was
 captured with, so its inputs are fixed buffers: a batch is padded to the next captured size (cuda_graph.py) on the
-scheduler thread, where the attention backend plans it on the host; on the forward thread the token ids,
-positions and KV slots are copied into the fixed buffers, the backend writes its plan into its fixed per-size
-buffers (GraphAttentionBackend), and the graph replays. Both happen on the forward thread's stream after the
-previous batch's kernels, so the overlap loop's next plan never rewrites buffers a running graph reads.
+scheduler thread; on the forward thread the token ids, positions and KV slots are copied into the fixed buffers,
+the backend plans the batch into its fixed per-size buffers (GraphAttentionBackend), and the graph replays. All
+of it in stream order after the previous batch's kernels, so the overlap loop never rewrites a buffer a queued
+replay reads.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class CudaGraphRunner:
         return forward.batch_size in self.graphs and one_token_each(forward)
 
     def replay(self, forward: ForwardBatch) -> torch.Tensor:
-        """Logits [batch_size, vocab] of a padded decode batch (pad() made it, its attention planned on the host);
-        valid until the next replay of the same size."""
+        """Logits [batch_size, vocab] of a padded decode batch (pad() made it); valid until the next replay of the
+        same size."""
         bs = forward.batch_size
         self.input_ids[:bs].copy_(forward.input_ids)
         self.positions[:bs].copy_(forward.positions)
@@ -81,7 +81,6 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int) -> None:
         forward = self._dummy_decode(bs)
-        self.backend.init_forward_metadata(forward)
         self.backend.init_forward_metadata_graph(forward)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -87,9 +87,9 @@ class GraphAttentionBackend(AttentionBackend, Protocol):
 
     A graph replays the kernels it captured with the tensors it captured, so for decode batches of a captured
     size the backend keeps its metadata in buffers allocated once per size: each replay rewrites their contents,
-    never their addresses. init_forward_metadata still plans the (padded) batch on the scheduler thread as for any
-    batch; init_forward_metadata_graph then fills the fixed buffers on the forward thread, in stream order after
-    the previous batch, so the overlap loop never rewrites a buffer a running graph reads.
+    never their addresses. Such a batch skips init_forward_metadata: init_forward_metadata_graph plans it into the
+    fixed buffers on the forward thread, in stream order after the previous batch, so the overlap loop never
+    rewrites a buffer a queued replay reads.
     """
 
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: str) -> None:

@@ -140,6 +140,8 @@ class ModelRunner:
         self.future_tokens.reserve(batch)
         if self.graphs is not None:  # padding rows come last: the batch's logit rows stay where they were
             batch.forward = self.graphs.pad(batch.forward)
+            if self.graphs.can_replay(batch.forward):
+                return  # planned into the graph's buffers on the forward thread, just before its replay
         self.attn_backend.init_forward_metadata(batch.forward)
         if self.followers is not None:
             snapshot_table(batch.forward)

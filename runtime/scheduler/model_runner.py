@@ -109,6 +109,7 @@ class ModelRunner:
         self.forward_seconds = 0.0
         self.forward_calls = 0
         self.future_tokens = FutureTokens(args.device)
+        self.forward_stream = torch.cuda.Stream(args.device) if args.device.startswith("cuda") else None
 
     def _capture_graphs(self, args: EngineArgs) -> CudaGraphRunner | None:
         """Decode CUDA graphs on a GPU, unless disabled; not under tensor parallelism (each rank would need its own
@@ -148,8 +149,15 @@ class ModelRunner:
 
     def run_batch(self, batch: ScheduleBatch, sampling_inputs: Future) -> StepResult:
         """Forward, then sample once the scheduler has given the sampling inputs (grammar masks)."""
-        logits = self.forward(batch)
-        return self.sample(batch, logits, sampling_inputs.result())
+        if self.forward_stream is None:
+            return self.sample(batch, self.forward(batch), sampling_inputs.result())
+        # On a GPU the forward runs on its own stream, after the copies of its inputs the scheduler thread queued
+        # on the default one; the scheduler's next copies then need not wait for this forward's kernels. Those
+        # inputs outlive the forward: the batch holds them until the scheduler completes it, after sampling
+        # has waited for every kernel here (tolist), so their memory is not reused under this stream.
+        self.forward_stream.wait_stream(torch.cuda.default_stream(self.forward_stream.device))
+        with torch.cuda.stream(self.forward_stream):
+            return self.sample(batch, self.forward(batch), sampling_inputs.result())
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
         """Logits of the rows the batch asks for. Token ids still to be sampled (negative placeholders from

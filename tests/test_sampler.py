@@ -116,3 +116,25 @@ def test_top_k_one_and_greedy_rows_take_the_argmax():
     picked = sample(logits, [row(temperature=0.0), row(seed=3, top_k=1), row(seed=4, top_k=1, top_p=0.5),
                              row(temperature=0.0)])
     assert picked.tolist() == logits.argmax(-1).tolist()
+
+
+def test_grammar_rows_masked_as_xgrammars_kernel_masks_them():
+    """On a GPU mask_rows hands the rows to xgrammar's kernel (vocab_size, indices); its CPU twin, called the same
+    way, must mask exactly what the torch path masks here, and leave the other rows alone."""
+    import xgrammar
+
+    from furcate.grammars.base import allocate_bitmask
+    from furcate.runtime.sampling.sampler import mask_rows
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word's high bits lie past the vocabulary
+    logits = torch.randn(4, vocab, generator=generator)
+    bitmask = allocate_bitmask(4, vocab)
+    bitmask.copy_(torch.randint(-2**31, 2**31 - 1, bitmask.shape, generator=generator, dtype=torch.int32))
+    rows = [0, 2]
+    ours, theirs = logits.clone(), logits.clone()
+    mask_rows(ours, bitmask, rows)
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[[1, 3]], logits[[1, 3]])
+    assert bool(torch.isinf(ours[rows]).any())

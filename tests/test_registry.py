@@ -4,6 +4,7 @@ device, and a GPU-only backend named where it cannot run is an error saying why.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import pytest
 
@@ -11,6 +12,8 @@ from furcate.runtime import registry
 from furcate.runtime.attention import select
 from furcate.runtime.attention.torch_native import TorchNativeAttention
 from furcate.runtime.config import EngineArgs, ServerArgs, add_dataclass_args
+
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture
@@ -24,11 +27,19 @@ def machine(monkeypatch):
 
 @pytest.fixture
 def gpu_backends_built(monkeypatch):
-    """Stand-ins for the flashinfer and triton backends the GPU issue will register (test-only; never shipped)."""
+    """Stand-ins for the GPU backends this build lacks (flashinfer; triton without the triton package)."""
     entries = dict(registry._ENTRIES[select.KIND])
     monkeypatch.setitem(registry._ENTRIES, select.KIND, entries)
     for name in select.CUDA_ONLY:
-        registry.register(select.KIND, name, f"{name}_backend:Backend")
+        if name not in entries:
+            registry.register(select.KIND, name, f"{name}_backend:Backend")
+
+
+@pytest.fixture
+def without_triton(monkeypatch):
+    """The registry of a build without the triton package."""
+    entries = {name: entry for name, entry in registry._ENTRIES[select.KIND].items() if name != "triton"}
+    monkeypatch.setitem(registry._ENTRIES, select.KIND, entries)
 
 
 def test_auto_is_the_default_and_resolves_to_torch_native_on_cpu(machine):
@@ -51,7 +62,21 @@ def test_auto_prefers_flashinfer_then_triton_on_cuda(machine, gpu_backends_built
     assert select.resolve_attention_backend("auto", device) == expected
 
 
-def test_auto_on_cuda_falls_back_to_torch_native_while_no_gpu_backend_is_built(machine):
+def test_triton_is_registered_exactly_when_the_triton_package_is_installed():
+    assert registry.is_registered(select.KIND, "triton") == TRITON_INSTALLED
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+def test_auto_on_cuda_picks_triton_while_flashinfer_is_not_built(machine):
+    from furcate.runtime.attention.triton_backend import TritonAttention
+
+    machine(cuda=True, flashinfer=True)
+    assert select.resolve_attention_backend("auto", "cuda") == "triton"
+    assert isinstance(select.make_attention_backend("auto", "cuda"), TritonAttention)
+    assert isinstance(select.make_attention_backend("triton", "cuda:0"), TritonAttention)
+
+
+def test_auto_on_cuda_falls_back_to_torch_native_when_no_gpu_backend_is_built(machine, without_triton):
     machine(cuda=True, flashinfer=True)
     assert select.resolve_attention_backend("auto", "cuda") == "torch_native"
 
@@ -62,12 +87,17 @@ def test_auto_on_cuda_falls_back_to_torch_native_while_no_gpu_backend_is_built(m
     (False, True, "cuda", "flashinfer", "torch sees no CUDA device"),
     (True, False, "cuda", "flashinfer", "needs the flashinfer package"),
     (True, True, "cuda", "flashinfer", "not available in this build"),
-    (True, False, "cuda", "triton", "not available in this build"),
 ])
 def test_a_gpu_backend_where_it_cannot_run_says_why(machine, cuda, flashinfer, device, name, reason):
     machine(cuda=cuda, flashinfer=flashinfer)
     with pytest.raises(ValueError, match=reason):
         EngineArgs(attention_backend=name, device=device)
+
+
+def test_triton_without_the_triton_package_says_it_is_not_in_this_build(machine, without_triton):
+    machine(cuda=True, flashinfer=False)
+    with pytest.raises(ValueError, match="'triton' is not available in this build"):
+        EngineArgs(attention_backend="triton", device="cuda")
 
 
 def test_a_built_gpu_backend_is_accepted_on_cuda(machine, gpu_backends_built):
@@ -109,7 +139,8 @@ def _choices(cls: type) -> dict[str, tuple]:
 
 def test_cli_choices_come_from_the_registry(gpu_backends_built):
     choices = _choices(EngineArgs)
-    assert choices["attention_backend"] == ("auto", "torch_native", "flashinfer", "triton")
+    assert choices["attention_backend"] == registry.names(select.KIND)
+    assert set(choices["attention_backend"]) == {"auto", "torch_native", "flashinfer", "triton"}
     for field in ("dtype", "quantization", "schedule_policy", "grammar_backend", "disaggregation_mode",
                   "disaggregation_transfer_backend"):
         assert choices[field] == registry.names(field)
@@ -117,4 +148,5 @@ def test_cli_choices_come_from_the_registry(gpu_backends_built):
 
 
 def test_cli_lists_only_the_attention_backends_this_build_has():
-    assert _choices(EngineArgs)["attention_backend"] == ("auto", "torch_native")
+    expected = ("auto", "torch_native") + (("triton",) if TRITON_INSTALLED else ())
+    assert _choices(EngineArgs)["attention_backend"] == expected

@@ -32,7 +32,8 @@ def interpreter_results() -> dict[str, str | None]:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "furcate.tests.triton_interpreter_checks"], env=env,
                           cwd=PACKAGE_PARENT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    # A negative code is a signal: -11 is a kernel reading outside a tensor; stderr names the check it ran.
+    assert done.returncode == 0, f"interpreter child exited with {done.returncode}:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -86,8 +86,9 @@ def run_triton(case: Case, batch: ForwardBatch, q, k, v, scale: float) -> torch.
     return out.view(q.shape[0], -1)
 
 
-def compare(case: Case, seed: int = 0) -> None:
-    """Triton in case.dtype against torch_native in float32 on the same (upcast) inputs and cached K/V."""
+def compare(case: Case, seed: int = 0) -> ForwardBatch:
+    """Triton in case.dtype against torch_native in float32 on the same (upcast) inputs and cached K/V; returns
+    the batch Triton ran (its attn_metadata is the plan it ran with)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     context = max(p + e for p, e in case.shapes) + 1
@@ -111,17 +112,27 @@ def compare(case: Case, seed: int = 0) -> None:
     assert got.dtype == case.dtype and got.shape == expected.shape
     error = (got.float() - expected).abs().max().item()
     assert error <= TOLERANCE[case.dtype], f"max error {error:.3g} > {TOLERANCE[case.dtype]}"
+    return batch
 
 
 def check_decode_splits_gqa() -> None:
-    """Lengths 2 .. 151: one split for the short ones (the rest empty), five for the longest."""
-    compare(Case([(1, 1), (4, 1), (40, 1), (150, 1)]))
+    """Lengths 2 .. 151 in five splits: the short ones fill only the first (the rest are empty and must drop
+    out of the merge), the longest all five."""
     from furcate.runtime.attention.triton_backend import num_kv_splits
-    assert num_kv_splits(151, 32) == 5 and num_kv_splits(1, 32) == 1 and num_kv_splits(10_000) == 8
+
+    assert compare(Case([(1, 1), (4, 1), (40, 1), (150, 1)])).attn_metadata.num_kv_splits == 5
+    assert num_kv_splits(1, 32) == 1 and num_kv_splits(10_000) == 8
 
 
 def check_decode_mha_head_dim_80() -> None:
-    compare(Case([(3, 1), (70, 1)], heads=4, kv_heads=4, head_dim=80, split_tokens=128))
+    """(0, 1): a one-token prompt, which the decode kernel takes too (one new token per request)."""
+    compare(Case([(0, 1), (3, 1), (70, 1)], heads=4, kv_heads=4, head_dim=80, split_tokens=128))
+
+
+def check_group_of_32_query_heads_head_dim_16() -> None:
+    """More query heads per KV head than one decode program holds (16), and the smallest tl.dot head_dim."""
+    compare(Case([(5, 1), (60, 1)], heads=32, kv_heads=1, head_dim=16))
+    compare(Case([(5, 3), (0, 9)], heads=32, kv_heads=1, head_dim=16))
 
 
 def check_decode_sliding_window() -> None:
@@ -152,8 +163,14 @@ def check_extend_sliding_window() -> None:
 def check_extend_small_blocks_sliding_window() -> None:
     """Blocks of 16: query blocks whose window starts keys several blocks in, and key blocks past the causal
     edge of some rows of the query block."""
-    compare(Case([(40, 37), (0, 50), (9, 2)], window=20, extend_blocks=(16, 16)))
-    compare(Case([(25, 40), (0, 33)], extend_blocks=(16, 16)))
+    compare(Case([(40, 37), (0, 50), (9, 2)], heads=4, window=20, extend_blocks=(16, 16)))
+    compare(Case([(25, 40), (0, 33)], heads=4, extend_blocks=(16, 16)))
+
+
+def check_extend_query_blocks_taller_than_key_blocks() -> None:
+    """block_m > block_n (the shape large GPUs favour) with a window: a block's last queries see no key of its
+    first key block, and such rows must not turn into NaN."""
+    compare(Case([(40, 37), (0, 50)], heads=4, window=10, extend_blocks=(32, 16)))
 
 
 def check_extend_bfloat16_head_dim_80() -> None:
@@ -241,6 +258,7 @@ CHECKS: dict[str, Callable[[], None]] = {
 def run(names: list[str]) -> dict[str, str | None]:
     results: dict[str, str | None] = {}
     for name in names:
+        print(f"check {name}", file=sys.stderr, flush=True)  # names the check if a kernel crashes the process
         try:
             CHECKS[name]()
             results[name] = None

@@ -29,7 +29,7 @@ MIN_DOT = 16  # tl.dot needs every operand dimension >= 16
 # and the GPU's MMA accumulates them in float32 too.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 DECODE_BLOCK_H = 16  # query heads of one KV head per decode program (GQA: K/V read once for the group)
-DECODE_BLOCK_N = 32
+DECODE_BLOCK_N = 32  # keys per decode step: small, as decode is bound by reading K/V, not by the dot
 
 
 @triton.jit
@@ -42,22 +42,23 @@ def _dot(a, b):
 
 
 @triton.jit
-def _load_kv_block(K, V, kv_indices, kv_start, offs_n, key_ok, kv_head, stride_kt, stride_kh, offs_d, d_ok):
-    """K and V [BLOCK_N, BLOCK_D] of positions offs_n, gathered through the request's slot list."""
+def _kv_offsets(kv_indices, kv_start, offs_n, key_ok, kv_head, stride_kt, stride_kh, offs_d):
+    """Offsets [BLOCK_N, BLOCK_D] into the K (and V) buffer of positions offs_n, through the request's slots."""
     slots = tl.load(kv_indices + kv_start + offs_n, mask=key_ok, other=0).to(tl.int64)
-    offsets = slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
-    mask = key_ok[:, None] & d_ok[None, :]
-    return tl.load(K + offsets, mask=mask, other=0.0), tl.load(V + offsets, mask=mask, other=0.0)
+    return slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
 
 
 @triton.jit
-def _softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2):
-    """Fold one block of keys into the running (max, sum, accumulator) of every query row."""
+def _softmax_step(q, K, V, kv_offsets, kv_mask, allowed, m_i, l_i, acc, scale_log2):
+    """Fold one block of keys into the running (max, sum, accumulator) of every query row. V is loaded after
+    the scores, so K and V are not both held in registers."""
+    k = tl.load(K + kv_offsets, mask=kv_mask, other=0.0)
     s = _dot(q, tl.trans(k)) * scale_log2
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
+    v = tl.load(V + kv_offsets, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -98,9 +99,9 @@ def _decode_split_kernel(Q, K, V, MidO, MidLse, kv_indptr, kv_indices, scale_log
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < end
-        k, v = _load_kv_block(K, V, kv_indices, kv_start, offs_n, key_ok, kv_head, stride_kt, stride_kh,
-                              offs_d, d_ok)
-        m_i, l_i, acc = _softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, scale_log2)
+        offsets = _kv_offsets(kv_indices, kv_start, offs_n, key_ok, kv_head, stride_kt, stride_kh, offs_d)
+        m_i, l_i, acc = _softmax_step(q, K, V, offsets, key_ok[:, None] & d_ok[None, :], key_ok[None, :], m_i, l_i,
+                                      acc, scale_log2)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -163,12 +164,12 @@ def _extend_kernel(Q, K, V, Out, qo_indptr, kv_indptr, kv_indices, scale_log2, w
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             key_ok = offs_n < hi
-            k, v = _load_kv_block(K, V, kv_indices, kv_start, offs_n, key_ok, kv_head, stride_kt, stride_kh,
-                                  offs_d, d_ok)
+            offsets = _kv_offsets(kv_indices, kv_start, offs_n, key_ok, kv_head, stride_kt, stride_kh, offs_d)
             allowed = key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if SLIDING:
                 allowed = allowed & (q_pos[:, None] - offs_n[None, :] < window)
-            m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2)
+            m_i, l_i, acc = _softmax_step(q, K, V, offsets, key_ok[:, None] & d_ok[None, :], allowed, m_i, l_i,
+                                          acc, scale_log2)
         out = acc / tl.where(m_ok, l_i, 1.0)[:, None]
         tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -176,6 +177,22 @@ def _extend_kernel(Q, K, V, Out, qo_indptr, kv_indptr, kv_indices, scale_log2, w
 
 def _block_d(head_dim: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(head_dim))
+
+
+def decode_split_config(group: int, head_dim: int, sliding: bool) -> dict:
+    """Compile-time parameters and launch shape of the decode stage-1 kernel (also what the compile test builds)."""
+    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_H=DECODE_BLOCK_H,
+                BLOCK_N=DECODE_BLOCK_N, SLIDING=sliding, num_warps=4, num_stages=2)
+
+
+def decode_merge_config(head_dim: int, num_splits: int) -> dict:
+    return dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
+                num_warps=4, num_stages=1)
+
+
+def extend_config(group: int, head_dim: int, sliding: bool, block_m: int = 64, block_n: int = 64) -> dict:
+    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+                SLIDING=sliding, num_warps=4 if head_dim <= 64 else 8, num_stages=1)
 
 
 def _check_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> int:
@@ -200,7 +217,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     GPU; splits past a short request's keys are empty and drop out of the merge."""
     group = _check_layout(q, k_buffer, v_buffer)
     batch, num_heads, head_dim = q.shape
-    block_d = _block_d(head_dim)
     window, sliding = _window_args(sliding_window)
     mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -209,14 +225,12 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         q, k_buffer, v_buffer, mid_o, mid_lse, kv_indptr, kv_indices, scale * LOG2E, window,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=DECODE_BLOCK_H, BLOCK_N=DECODE_BLOCK_N,
-        SLIDING=sliding, num_warps=4, num_stages=2,
+        **decode_split_config(group, head_dim, sliding),
     )
     out = q.new_empty(q.shape)
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), **decode_merge_config(head_dim, num_splits),
     )
     return out
 
@@ -227,14 +241,13 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     """q [T, H, D], the packed new tokens of every request; returns [T, H, D] in q's dtype. The new tokens'
     K/V must already be in the pool."""
     group = _check_layout(q, k_buffer, v_buffer)
-    tokens, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1:]
     window, sliding = _window_args(sliding_window)
     out = q.new_empty(q.shape)
     grid = (kv_indptr.numel() - 1, num_heads, math.ceil(max_extend / block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, scale * LOG2E, window,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        SLIDING=sliding, num_warps=4 if head_dim <= 64 else 8, num_stages=1,
+        **extend_config(group, head_dim, sliding, block_m, block_n),
     )
     return out

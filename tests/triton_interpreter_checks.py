@@ -40,21 +40,23 @@ class Case:
 
 def layout(shapes: list[tuple[int, int]], pools: list[tuple[ReqToTokenPool, TokenToKVPool]],
            rng: random.Random) -> list[ForwardBatch]:
-    """One batch per pool pair, all with the same shuffled KV slots (so kernels really gather)."""
+    """One batch per pool pair, all with the same shuffled KV slots (so kernels really gather) and request b in
+    table row B-1-b (so the plan must follow req_pool_indices)."""
     total = sum(p + e for p, e in shapes)
     slots = list(range(1, pools[0][1].size + 1))
     rng.shuffle(slots)
     taken = torch.tensor(slots[:total])
     seqs = list(torch.split(taken, [p + e for p, e in shapes]))
+    rows = torch.arange(len(shapes)).flip(0)
     batches = []
     for req_pool, kv_pool in pools:
-        for row, seq in enumerate(seqs):
+        for row, seq in zip(rows.tolist(), seqs):
             req_pool.req_to_token[row, : len(seq)] = seq
         batches.append(ForwardBatch(
             input_ids=torch.zeros(sum(e for _, e in shapes), dtype=torch.int64),
             positions=torch.cat([torch.arange(p, p + e) for p, e in shapes]),
             out_cache_loc=torch.cat([seq[p:] for seq, (p, _) in zip(seqs, shapes)]),
-            req_pool_indices=torch.arange(len(shapes)),
+            req_pool_indices=rows,
             prefix_lens=torch.tensor([p for p, _ in shapes]),
             extend_lens=torch.tensor([e for _, e in shapes]),
             seq_lens=torch.tensor([p + e for p, e in shapes]),

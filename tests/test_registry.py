@@ -67,10 +67,10 @@ def test_triton_is_registered_exactly_when_the_triton_package_is_installed():
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
-def test_auto_on_cuda_picks_triton_while_flashinfer_is_not_built(machine):
+def test_auto_on_cuda_without_flashinfer_picks_triton(machine):
     from furcate.runtime.attention.triton_backend import TritonAttention
 
-    machine(cuda=True, flashinfer=True)
+    machine(cuda=True, flashinfer=False)
     assert select.resolve_attention_backend("auto", "cuda") == "triton"
     assert isinstance(select.make_attention_backend("auto", "cuda"), TritonAttention)
     assert isinstance(select.make_attention_backend("triton", "cuda:0"), TritonAttention)

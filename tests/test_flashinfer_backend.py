@@ -67,7 +67,7 @@ def make_batch(shapes: list[tuple[int, int]], groups: list[int | None] | None, k
                device: str, seed: int = 0, kv_pool: TokenToKVPool | None = None) -> ForwardBatch:
     """A batch over random pools on `device` (new ones, or new slots of `kv_pool`); its lengths and slots on the
     host, as the scheduler builds them."""
-    req_pool = ReqToTokenPool(len(shapes) + 1, CONTEXT, device)
+    req_pool = ReqToTokenPool(len(shapes) + 1, CONTEXT)
     if kv_pool is None:
         generator = torch.Generator().manual_seed(seed)
         kv_pool = TokenToKVPool(2048, 2, kv_heads, HEAD_DIM, dtype, device)
@@ -257,7 +257,8 @@ def reloaded_select(monkeypatch):
 @pytest.mark.parametrize("installed", [False, True])
 def test_flashinfer_is_registered_only_where_its_package_is_installed(reloaded_select, installed):
     reloaded = reloaded_select(installed)
-    expected = ("auto", "torch_native", "flashinfer") if installed else ("auto", "torch_native")
+    triton = ("triton",) if importlib.util.find_spec("triton") else ()
+    expected = ("auto", "torch_native", *triton) + (("flashinfer",) if installed else ())
     assert registry.names(select.KIND) == expected
     if installed:
         assert registry._ENTRIES[select.KIND]["flashinfer"].target == \

@@ -4,6 +4,7 @@ device, and a GPU-only backend named where it cannot run is an error saying why.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import pytest
 
@@ -11,6 +12,8 @@ from furcate.runtime import registry
 from furcate.runtime.attention import select
 from furcate.runtime.attention.torch_native import TorchNativeAttention
 from furcate.runtime.config import EngineArgs, ServerArgs, add_dataclass_args
+
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture
@@ -123,5 +126,19 @@ def test_cli_choices_come_from_the_registry(gpu_backends_built):
 
 
 def test_cli_lists_only_the_attention_backends_this_build_has():
-    installed = ("flashinfer",) if select.flashinfer_importable() else ()
+    installed = (("triton",) if TRITON_INSTALLED else ()) + (("flashinfer",) if select.flashinfer_importable() else ())
     assert _choices(EngineArgs)["attention_backend"] == ("auto", "torch_native", *installed)
+
+
+def test_triton_is_registered_exactly_when_the_triton_package_is_installed():
+    assert registry.is_registered(select.KIND, "triton") == TRITON_INSTALLED
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+def test_auto_on_cuda_without_flashinfer_picks_triton(machine):
+    from furcate.runtime.attention.triton_backend import TritonAttention
+
+    machine(cuda=True, flashinfer=False)
+    assert select.resolve_attention_backend("auto", "cuda") == "triton"
+    assert isinstance(select.make_attention_backend("auto", "cuda"), TritonAttention)
+    assert isinstance(select.make_attention_backend("triton", "cuda:0"), TritonAttention)

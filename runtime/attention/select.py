@@ -1,8 +1,8 @@
 """Which attention backend runs: the registered backends, and what "auto" and a GPU-only name mean on a device.
 
-Only backends that exist in this build are registered: flashinfer when its package is installed. flashinfer and
-triton are known names, so choosing one where it cannot run (no CUDA, not installed, not built yet) is an error
-that says which, not an "unknown choice".
+Only backends that exist in this build are registered: triton where the triton package is installed (CUDA torch
+and xgrammar bring it), flashinfer when its package is. flashinfer and triton are known names, so choosing one
+where it cannot run (no CUDA, not installed) is an error that says which, not an "unknown choice".
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ CUDA_ONLY = ("flashinfer", "triton")
 
 registry.register(KIND, AUTO)
 registry.register(KIND, "torch_native", f"{__package__}.torch_native:TorchNativeAttention")
+if importlib.util.find_spec("triton") is not None:
+    registry.register(KIND, "triton", f"{__package__}.triton_backend:TritonAttention")
 
 
 def cuda_available() -> bool:

@@ -3,6 +3,7 @@ batch so that the real requests' outputs are unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -85,3 +86,37 @@ def test_only_decode_batches_are_padded_and_never_shrunk():
         pad_decode_batch(make_batch(rng, 1, [(0, 5)]), 8)
     with pytest.raises(ValueError, match="cannot pad"):
         pad_decode_batch(make_batch(rng, 1, [(3, 1), (4, 1)]), 1)
+
+
+def test_triton_plans_a_captured_decode_batch_into_fixed_buffers():
+    """A graph replays the addresses it captured: every decode batch of a size is planned into the same buffers,
+    with the plan init_forward_metadata makes for it, at the fixed split count."""
+    pytest.importorskip("triton")
+    from furcate.runtime.attention.triton_backend import MAX_KV_SPLITS, TritonAttention
+
+    backend = TritonAttention()
+    backend.init_cuda_graph_state(max_bs=8, max_context_len=256, device="cpu")
+    rng = random.Random(0)
+    addresses = set()
+    for shapes in ([(5, 1), (40, 1), (1, 1), (17, 1)], [(60, 1), (2, 1), (0, 1), (33, 1)]):
+        batch = pad_decode_batch(make_batch(rng, 1, shapes), 4).batch
+        expected = eager_metadata(TritonAttention(), batch)
+        backend.init_forward_metadata_graph(batch)
+        planned = batch.attn_metadata
+        assert torch.equal(planned.kv_indptr, expected.kv_indptr)
+        assert torch.equal(planned.kv_indices[: len(expected.kv_indices)], expected.kv_indices)
+        assert planned.decode and planned.num_kv_splits == MAX_KV_SPLITS
+        addresses.add((planned.kv_indptr.data_ptr(), planned.kv_indices.data_ptr(), planned.qo_indptr.data_ptr()))
+    assert len(addresses) == 1
+    small = TritonAttention()
+    small.init_cuda_graph_state(max_bs=2, max_context_len=256, device="cpu")
+    with pytest.raises(ValueError, match="exceeds the 2"):
+        small.init_forward_metadata_graph(make_batch(rng, 1, [(3, 1)] * 3))
+    with pytest.raises(ValueError, match="decode batches only"):
+        backend.init_forward_metadata_graph(make_batch(rng, 1, [(3, 2)]))
+
+
+def eager_metadata(backend, batch):
+    fresh = dataclasses.replace(batch, attn_metadata=None)
+    backend.init_forward_metadata(fresh)
+    return fresh.attn_metadata

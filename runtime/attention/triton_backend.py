@@ -4,6 +4,10 @@ init_forward_metadata snapshots each request's KV slots into one flattened plan 
 scheduler may edit the request table while the forward runs), so a layer's forward only writes its new K/V and
 launches kernels: no host work, no sync. A batch of one new token per request runs the split-KV decode kernel,
 anything else (prefill, extend over a cached prefix, mixed batches) the causal extend kernel.
+
+CUDA graphs (GraphAttentionBackend): a captured decode batch reads its plan from buffers allocated once, and
+always runs MAX_KV_SPLITS splits (the kernel cuts each request's keys by its own length, so a fixed count is
+correct for any length; a captured grid cannot follow the batch's longest request).
 """
 
 from __future__ import annotations
@@ -45,12 +49,46 @@ def plan_slots(batch: ForwardBatch, device: torch.device) -> torch.Tensor:
     return rows[used].to(device)
 
 
+@dataclass
+class GraphBuffers:
+    """The fixed plan buffers every captured decode batch reads (one replay at a time, on the forward thread)."""
+
+    qo_indptr: torch.Tensor  # [max_bs + 1] int32: 0, 1, 2, ... (one query per request)
+    kv_indptr: torch.Tensor  # [max_bs + 1] int32
+    kv_indices: torch.Tensor  # [max_bs * max_context_len] int64
+
+
 class TritonAttention:
     def __init__(self, split_tokens: int = SPLIT_TOKENS, max_kv_splits: int = MAX_KV_SPLITS) -> None:
         self.split_tokens = split_tokens
         self.max_kv_splits = max_kv_splits
         self.batch: ForwardBatch | None = None
         self.metadata: TritonMetadata | None = None
+        self.graph: GraphBuffers | None = None
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: str) -> None:
+        self.graph = GraphBuffers(
+            qo_indptr=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+            kv_indices=torch.zeros(max_bs * max_context_len, dtype=torch.int64, device=device),
+        )
+
+    def init_forward_metadata_graph(self, batch: ForwardBatch) -> None:
+        """A decode batch of a captured size, planned into the fixed buffers (their contents, never addresses)."""
+        if self.graph is None:
+            raise RuntimeError("init_cuda_graph_state must run before a batch is planned for a CUDA graph")
+        if int(batch.extend_lens.max()) != 1:
+            raise ValueError("CUDA graphs capture decode batches only (one new token per request)")
+        bs, graph = batch.batch_size, self.graph
+        if bs + 1 > len(graph.kv_indptr):
+            raise ValueError(f"decode batch of {bs} exceeds the {len(graph.kv_indptr) - 1} planned for graphs")
+        slots = plan_slots(batch, torch.device("cpu"))
+        graph.kv_indptr[: bs + 1].copy_(indptr(batch.seq_lens), non_blocking=True)
+        graph.kv_indices[: len(slots)].copy_(slots, non_blocking=True)
+        batch.attn_metadata = TritonMetadata(
+            qo_indptr=graph.qo_indptr[: bs + 1], kv_indptr=graph.kv_indptr[: bs + 1], kv_indices=graph.kv_indices,
+            decode=True, max_extend=1, num_kv_splits=self.max_kv_splits,
+        )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.token_to_kv_pool.k_buffer[0].device

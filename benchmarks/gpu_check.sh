@@ -23,14 +23,23 @@ if [ "${1:-}" = "--prepare" ]; then
   for f in tokenizer.json tokenizer_config.json special_tokens_map.json chat_template.jinja; do
     [ -f "$model/$f" ] && cp "$model/$f" .gpu/tokenizer/
   done
-  version() { python -m pip show "$1" | awk '/^Version:/ {print $2}'; }
-  for package in xgrammar outlines-core llguidance; do
-    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d .whl "$package==$(version "$package")"
+  # What furcate needs that the CUDA image lacks or has in other versions (torch, triton, numpy stay the
+  # image's): the dev environment's versions, and flashinfer with its own needs (~47 MiB in all).
+  from_venv="aiohappyeyeballs aiohttp aiosignal annotated-doc annotated-types anyio attrs certifi charset-normalizer
+    click frozenlist gguf h11 httpcore2 httpx2 huggingface-hub idna iniconfig jsonschema jsonschema-specifications
+    llguidance markdown-it-py mdurl multidict outlines-core packaging pluggy prometheus-client propcache pydantic
+    pydantic-core pygments pytest pyyaml referencing regex requests rich rpds-py safetensors shellingham tokenizers
+    tqdm transformers truststore typer typing-inspection urllib3 xgrammar yarl"
+  wheels="flashinfer-python==0.6.0 apache-tvm-ffi==0.1.15.post2 einops==0.8.2 ninja==1.13.2 nvidia-ml-py==13.615.71
+    tabulate==0.10.0"
+  for package in $from_venv; do
+    version=$(python -m pip show "$package" 2> /dev/null | awk '/^Version:/ {print $2}')
+    if [ -n "$version" ]; then wheels="$wheels $package==$version"; else echo "not installed here: $package" >&2; fi
   done
+  # shellcheck disable=SC2086
   python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl flashinfer-python==0.6.0
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $wheels
   ls -la .whl .gpu/tokenizer
   exit 0
 fi

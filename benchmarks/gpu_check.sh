@@ -10,7 +10,9 @@
 #   benchmarks/gpu_check.sh --prepare   here, with furcate's dev environment: copies the default model's tokenizer
 #                                        into .gpu/ and downloads the wheels a bare CUDA machine lacks into .whl/
 #                                        (both git-ignored through .git/info/exclude)
-#   benchmarks/gpu_check.sh             on the GPU machine, from the repository root (OUT: where results go)
+#   benchmarks/gpu_check.sh             on the GPU machine, from the repository root (OUT: where results go;
+#                                        with the device tool: carry .gpu and .whl, timeout ~600 s: FlashInfer
+#                                        compiles its kernels with nvcc at first use)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD

@@ -6,7 +6,9 @@ captured with, so its inputs are fixed buffers: a batch is padded to the next ca
 scheduler thread; on the forward thread the token ids, positions and KV slots are copied into the fixed buffers,
 the backend plans the batch into its fixed per-size buffers (GraphAttentionBackend), and the graph replays. All
 of it in stream order after the previous batch's kernels, so the overlap loop never rewrites a buffer a queued
-replay reads.
+replay reads. Planning there reads the request table while the scheduler thread edits it; the rows it reads are
+the batch's own, whose entries up to their lengths stay put, except a request that finished while the batch was
+in flight: its row may be handed to a new request meanwhile, and its output (already dropped) is garbage.
 """
 
 from __future__ import annotations

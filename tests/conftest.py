@@ -57,11 +57,22 @@ def default_engine():
         yield engine
 
 
-@pytest.fixture(scope="module")
-def llama_engine(tiny_model_dirs):
+@pytest.fixture(scope="session")
+def shared_llama_engine(tiny_model_dirs):
     with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=TINY_POOL_TOKENS,
                 torch_num_threads=2) as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def llama_engine(shared_llama_engine):
+    """The tiny llama engine, one for the session (each start costs seconds): every module gets it with a cold
+    prefix cache, as a fresh engine would be, and nothing in flight. Its statistics are counted since its start,
+    so a test reads them as differences."""
+    assert shared_llama_engine.flush_cache()
+    yield shared_llama_engine
+    stats = shared_llama_engine.get_stats()  # the module left nothing running for the next one
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats
 
 
 @pytest.fixture(scope="session")

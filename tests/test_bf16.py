@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from furcate import Engine
 from furcate.runtime.model import loader
 
-from .conftest import ARCHS, assert_pool_free
+from .conftest import ARCHS, NO_GRAMMAR, assert_pool_free
 
 # Largest |logprob difference| against HF bfloat16, over the chosen tokens of a prompt. bfloat16 keeps 8 bits
 # of mantissa, so a logit of magnitude 10 is only known to about 0.04; on an avx512_bf16 machine the measured
@@ -66,7 +66,8 @@ def _compare(engine: Engine, model_dir, ids: list[int], new_tokens: int) -> tupl
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_models_in_bf16_stay_within_tolerance_of_hf_bf16(arch, tiny_model_dirs):
     ids = list(range(300, 360))
-    with Engine(str(tiny_model_dirs[arch]), dtype="bfloat16", max_total_tokens=1000, torch_num_threads=2) as engine:
+    with Engine(str(tiny_model_dirs[arch]), dtype="bfloat16", max_total_tokens=1000, torch_num_threads=2,
+                **NO_GRAMMAR) as engine:
         assert engine.info.dtype == "bfloat16"
         worst, agreement = _compare(engine, tiny_model_dirs[arch], ids, 16)
         assert_pool_free(engine)
@@ -78,7 +79,7 @@ def test_default_model_in_bf16_stays_within_tolerance_of_hf_bf16(default_model_d
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Explain photosynthesis to a child."}],
                                         add_generation_prompt=True, tokenize=True, return_dict=False)
     with Engine("default", dtype="bfloat16", quantization="none", max_total_tokens=2000,
-                torch_num_threads=2) as engine:
+                torch_num_threads=2, **NO_GRAMMAR) as engine:
         worst, agreement = _compare(engine, default_model_dir, ids, 24)
         assert_pool_free(engine)
     print(f"default model: max |logprob diff| {worst:.4f}, greedy agreement {agreement:.2f}")

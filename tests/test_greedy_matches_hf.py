@@ -9,7 +9,7 @@ import pytest
 
 from furcate import Engine
 
-from .conftest import EXACT, ARCHS, assert_pool_free
+from .conftest import EXACT, ARCHS, NO_GRAMMAR, assert_pool_free
 
 WORDS = "the a river of stone light over quiet 7 42 hills and when, old machines sang; 3.14 never".split()
 
@@ -28,7 +28,7 @@ def test_batch_and_staggered_greedy_equal_hf(arch, tiny_model_dirs, hf_reference
     expected = [hf.greedy(tokenizer.encode(p), n) for p, n in zip(prompts, lengths)]
     params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in lengths]
     # A small request limit and pool make requests queue and join the running decode batch as others finish.
-    with Engine(str(tiny_model_dirs[arch]), **EXACT, max_total_tokens=1500, max_running_requests=4,
+    with Engine(str(tiny_model_dirs[arch]), **EXACT, **NO_GRAMMAR, max_total_tokens=1500, max_running_requests=4,
                 torch_num_threads=2) as engine:
         together = engine.generate(prompts, params)
         assert [r["output_ids"] for r in together] == expected
@@ -67,7 +67,8 @@ def test_pool_sized_below_one_request_still_serves_in_turn(tiny_model_dirs, hf_r
     prompts = make_prompts(6, seed=99)
     hf = hf_reference("llama")
     expected = [hf.greedy(tokenizer.encode(p), 20) for p in prompts]
-    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=128, torch_num_threads=2) as engine:
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, **NO_GRAMMAR, max_total_tokens=128,
+                torch_num_threads=2) as engine:
         out = engine.generate(prompts, {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True})
         assert [r["output_ids"] for r in out] == expected
         assert_pool_free(engine)

@@ -16,7 +16,7 @@ from furcate.runtime.model.gguf_names import hf_name, unpermute_rope
 from furcate.runtime.model.quantize import gguf_block_weights
 from furcate.runtime.model.quantized import (Int4Linear, Int8Linear, SmallBatchQuantized, read_blocks)
 
-from .conftest import assert_pool_free
+from .conftest import NO_GRAMMAR, assert_pool_free
 from .tiny_gguf import HEADS, KV_HEADS, QUANTIZED_LAYERS, build_tiny_gguf
 
 
@@ -92,7 +92,7 @@ def test_engine_on_a_quantized_gguf_stays_close_to_its_dequantized_weights(tiny_
     results = {}
     for quantization in ("gguf", "none"):
         with Engine(str(tiny_gguf), dtype=dtype, quantization=quantization, max_total_tokens=2000,
-                    torch_num_threads=2) as engine:
+                    torch_num_threads=2, **NO_GRAMMAR) as engine:
             assert engine.info.quantized_layers == (QUANTIZED_LAYERS if quantization == "gguf" else 0)
             assert engine.info.dtype == dtype
             results[quantization] = _prompt_logprobs(engine, ids)
@@ -116,7 +116,7 @@ def test_default_model_quantized_agrees_with_its_float32_self(default_engine):
     scores = reference_logprobs(default_engine, ids, reference)
     assert_pool_free(default_engine)
     with Engine("default", dtype="bfloat16", quantization="gguf", max_total_tokens=4096,
-                torch_num_threads=2) as engine:
+                torch_num_threads=2, **NO_GRAMMAR) as engine:
         assert engine.info.quantized_layers == 30 * 4 + 1
         quality = measure(engine, ids, reference, scores)
         assert_pool_free(engine)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import pytest
 import requests
@@ -84,6 +86,31 @@ def tiny_server(tiny_model_dirs):
     with ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS,
                                                        "torch_num_threads": 2, "dtype": "float32"}) as server:
         yield server
+
+
+T = TypeVar("T")
+
+
+class Revivable(Generic[T]):
+    """A process shared by a module's tests (a server, a cluster) that a test may stop or kill on purpose: `get()`
+    gives the running one, or starts a new one when the last was stopped, so no test depends on running before or
+    after the one that stops it."""
+
+    def __init__(self, start: Callable[[], T], stop: Callable[[T], object], alive: Callable[[T], bool]) -> None:
+        self._start, self._stop, self._alive = start, stop, alive
+        self._current: T | None = None
+
+    def get(self) -> T:
+        if self._current is not None and not self._alive(self._current):
+            self.close()
+        if self._current is None:
+            self._current = self._start()
+        return self._current
+
+    def close(self) -> None:
+        current, self._current = self._current, None
+        if current is not None:
+            self._stop(current)
 
 
 def assert_server_pool_free(url: str, headers: dict | None = None) -> None:

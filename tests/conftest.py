@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -78,6 +80,22 @@ def llama_engine(shared_llama_engine):
     yield shared_llama_engine
     stats = shared_llama_engine.get_stats()  # the module left nothing running for the next one
     assert stats["running"] == 0 and stats["waiting"] == 0, stats
+
+
+@contextlib.contextmanager
+def engines_side_by_side(*engines: tuple[str, dict]) -> Iterator[list[Engine]]:
+    """Engines for (model path, engine arguments), started side by side (a start is mostly one core's work:
+    imports and loading) and shut down together at the end."""
+    with ThreadPoolExecutor(len(engines)) as pool:
+        starting = [pool.submit(Engine, path, **args) for path, args in engines]
+    started = [future.result() for future in starting if future.exception() is None]
+    try:
+        for future in starting:
+            future.result()  # the first start that failed, if any
+        yield started
+    finally:
+        with ThreadPoolExecutor(len(started) or 1) as pool:
+            list(pool.map(Engine.shutdown, started))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from furcate.grammars.base import GrammarSpec, allocate_bitmask
 from furcate.grammars.cache import make_backend
 from furcate.runtime.scheduler.grammar_queue import percentile
 
-from .conftest import EXACT, assert_pool_free
+from .conftest import EXACT, assert_pool_free, engines_side_by_side
 
 PERSON = {
     "type": "object",
@@ -113,11 +113,10 @@ def test_pydantic_schema_and_regex_and_choices(grammar_engine):
 def test_greedy_constrained_outputs_agree_across_loops(tiny_model_dirs, no_jump_forward):
     prompts = ["Describe a person as JSON:", "Person:", "{"]
     params = {"temperature": 0.0, "max_new_tokens": 40, "json_schema": PERSON}
-    outputs = []
-    for plain in (False, True):
-        with Engine(str(tiny_model_dirs["qwen3"]), **EXACT, max_total_tokens=2000, torch_num_threads=2,
-                    disable_overlap_schedule=plain, disable_jump_forward=no_jump_forward) as engine:
-            outputs.append([r["output_ids"] for r in engine.generate(prompts, params)])
+    args = {**EXACT, "max_total_tokens": 2000, "torch_num_threads": 2, "disable_jump_forward": no_jump_forward}
+    loops = [(str(tiny_model_dirs["qwen3"]), {**args, "disable_overlap_schedule": plain}) for plain in (False, True)]
+    with engines_side_by_side(*loops) as engines:
+        outputs = [[r["output_ids"] for r in engine.generate(prompts, params)] for engine in engines]
     assert outputs[0] == outputs[1]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from furcate import Engine
 
-from .conftest import EXACT, NO_GRAMMAR, assert_pool_free
+from .conftest import EXACT, NO_GRAMMAR, assert_pool_free, engines_side_by_side
 
 SHARED = ("You are a careful assistant. Answer in one word. The river of stone runs under quiet hills, and old "
           "machines sang when the light was 42 and 3.14. ")
@@ -107,10 +107,11 @@ def test_waiting_siblings_share_one_prefill(engine, tokenizer):
 def test_chunked_prefill_logprobs_match_unchunked(tiny_model_dirs, tokenizer):
     prompt = SHARED + "chunked"
     params = {**GREEDY, "max_new_tokens": 5}
+    args = {**EXACT, **NO_GRAMMAR, "max_total_tokens": 2000, "torch_num_threads": 2}
     runs = []
-    for chunk in (-1, 4):
-        with Engine(str(tiny_model_dirs["llama"]), **EXACT, **NO_GRAMMAR, max_total_tokens=2000,
-                    chunked_prefill_size=chunk, torch_num_threads=2) as engine:
+    with engines_side_by_side(*[(str(tiny_model_dirs["llama"]), {**args, "chunked_prefill_size": chunk})
+                                for chunk in (-1, 4)]) as engines:
+        for engine in engines:
             runs.append(engine.generate(prompt, params, return_logprob=True, logprob_start_len=0,
                                         top_logprobs_num=2))
             assert_pool_free(engine)

@@ -98,6 +98,20 @@ def engines_side_by_side(*engines: tuple[str, dict]) -> Iterator[list[Engine]]:
             list(pool.map(Engine.shutdown, started))
 
 
+@contextlib.contextmanager
+def engine_starting(model_path: str, **engine_args) -> Iterator[Callable[[], Engine]]:
+    """An engine that starts in the background while the test does other work (its HF reference, say); call what
+    this yields for the engine once it is needed. Shut down at the end."""
+    pool = ThreadPoolExecutor(1)
+    starting = pool.submit(Engine, model_path, **engine_args)
+    pool.shutdown(wait=False)
+    try:
+        yield starting.result
+    finally:
+        if starting.exception() is None:
+            starting.result().shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dirs):
     """A live `furcate serve` on the tiny llama model, on a free loopback port (no API key)."""

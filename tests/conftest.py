@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import pytest
 import requests
@@ -20,6 +24,9 @@ ARCHS = sorted(CONFIGS)
 # on CPUs with native bf16, and quantization auto the default model's int4 kernels).
 EXACT = {"dtype": "float32", "quantization": "none"}
 TINY_POOL_TOKENS = 6000
+# For engines and servers of tests that send no grammar request: building grammar_backend="auto"'s backends costs
+# ~2.6 s of every start (tokenizer tables for llguidance and xgrammar), and unconstrained requests never touch them.
+NO_GRAMMAR = {"grammar_backend": "none"}
 
 
 @pytest.fixture(scope="session")
@@ -57,11 +64,52 @@ def default_engine():
         yield engine
 
 
-@pytest.fixture(scope="module")
-def llama_engine(tiny_model_dirs):
+@pytest.fixture(scope="session")
+def shared_llama_engine(tiny_model_dirs):
     with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=TINY_POOL_TOKENS,
                 torch_num_threads=2) as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def llama_engine(shared_llama_engine):
+    """The tiny llama engine, one for the session (each start costs seconds): every module gets it with a cold
+    prefix cache, as a fresh engine would be, and nothing in flight. Its statistics are counted since its start,
+    so a test reads them as differences."""
+    assert shared_llama_engine.flush_cache()
+    yield shared_llama_engine
+    stats = shared_llama_engine.get_stats()  # the module left nothing running for the next one
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+
+
+@contextlib.contextmanager
+def engines_side_by_side(*engines: tuple[str, dict]) -> Iterator[list[Engine]]:
+    """Engines for (model path, engine arguments), started side by side (a start is mostly one core's work:
+    imports and loading) and shut down together at the end."""
+    with ThreadPoolExecutor(len(engines)) as pool:
+        starting = [pool.submit(Engine, path, **args) for path, args in engines]
+    started = [future.result() for future in starting if future.exception() is None]
+    try:
+        for future in starting:
+            future.result()  # the first start that failed, if any
+        yield started
+    finally:
+        with ThreadPoolExecutor(len(started) or 1) as pool:
+            list(pool.map(Engine.shutdown, started))
+
+
+@contextlib.contextmanager
+def engine_starting(model_path: str, **engine_args) -> Iterator[Callable[[], Engine]]:
+    """An engine that starts in the background while the test does other work (its HF reference, say); call what
+    this yields for the engine once it is needed. Shut down at the end."""
+    pool = ThreadPoolExecutor(1)
+    starting = pool.submit(Engine, model_path, **engine_args)
+    pool.shutdown(wait=False)
+    try:
+        yield starting.result
+    finally:
+        if starting.exception() is None:
+            starting.result().shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +118,31 @@ def tiny_server(tiny_model_dirs):
     with ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS,
                                                        "torch_num_threads": 2, "dtype": "float32"}) as server:
         yield server
+
+
+T = TypeVar("T")
+
+
+class Revivable(Generic[T]):
+    """A process shared by a module's tests (a server, a cluster) that a test may stop or kill on purpose: `get()`
+    gives the running one, or starts a new one when the last was stopped, so no test depends on running before or
+    after the one that stops it."""
+
+    def __init__(self, start: Callable[[], T], stop: Callable[[T], object], alive: Callable[[T], bool]) -> None:
+        self._start, self._stop, self._alive = start, stop, alive
+        self._current: T | None = None
+
+    def get(self) -> T:
+        if self._current is not None and not self._alive(self._current):
+            self.close()
+        if self._current is None:
+            self._current = self._start()
+        return self._current
+
+    def close(self) -> None:
+        current, self._current = self._current, None
+        if current is not None:
+            self._stop(current)
 
 
 def assert_server_pool_free(url: str, headers: dict | None = None) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from furcate import EngineArgs
-from .conftest import EXACT
+from .conftest import EXACT, NO_GRAMMAR
 
 GOOD = {"max_new_tokens": 4, "temperature": 0}
 
@@ -182,7 +182,7 @@ def _outcome_without_hanging(call, limit_s: float):
 def test_a_dead_scheduler_fails_waiting_and_new_requests_at_once(tiny_model_dirs):
     from furcate import Engine
 
-    engine = Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=2000, torch_num_threads=1)
+    engine = Engine(str(tiny_model_dirs["llama"]), **EXACT, **NO_GRAMMAR, max_total_tokens=2000, torch_num_threads=1)
     assert engine.is_alive()
     stream = engine.generate("the river", {"max_new_tokens": 900, "ignore_eos": True}, stream=True)
     next(stream)

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from furcate import Engine
 from furcate.runtime.model import loader
 
-from .conftest import ARCHS, assert_pool_free
+from .conftest import ARCHS, NO_GRAMMAR, assert_pool_free, engine_starting
 
 # Largest |logprob difference| against HF bfloat16, over the chosen tokens of a prompt. bfloat16 keeps 8 bits
 # of mantissa, so a logit of magnitude 10 is only known to about 0.04; on an avx512_bf16 machine the measured
@@ -47,16 +47,23 @@ def _engine_prompt_logprobs(engine: Engine, ids: list[int]) -> list[float]:
     return [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]]
 
 
-def _compare(engine: Engine, model_dir, ids: list[int], new_tokens: int) -> tuple[float, float]:
-    """(largest logprob difference over the prompt, greedy agreement share) against HF bfloat16."""
+def _hf_bf16(model_dir, ids: list[int], new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """HF bfloat16's logprobs of the prompt's tokens and its greedy continuation."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     reference = _hf_logprobs(model, ids)
     expected = torch.tensor([reference[i - 1, ids[i]].item() for i in range(1, len(ids))])
-    got = torch.tensor(_engine_prompt_logprobs(engine, ids))
     with torch.inference_mode():
         prompt = torch.tensor([ids])
         hf = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
+    return expected, hf
+
+
+def _compare(engine: Engine, hf_bf16: tuple[torch.Tensor, list[int]], ids: list[int],
+             new_tokens: int) -> tuple[float, float]:
+    """(largest logprob difference over the prompt, greedy agreement share) against HF bfloat16."""
+    expected, hf = hf_bf16
+    got = torch.tensor(_engine_prompt_logprobs(engine, ids))
     ours = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": new_tokens, "temperature": 0,
                                                            "ignore_eos": True})["output_ids"]
     same = next((i for i, (a, b) in enumerate(zip(hf, ours)) if a != b), len(hf))
@@ -66,9 +73,12 @@ def _compare(engine: Engine, model_dir, ids: list[int], new_tokens: int) -> tupl
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_models_in_bf16_stay_within_tolerance_of_hf_bf16(arch, tiny_model_dirs):
     ids = list(range(300, 360))
-    with Engine(str(tiny_model_dirs[arch]), dtype="bfloat16", max_total_tokens=1000, torch_num_threads=2) as engine:
+    with engine_starting(str(tiny_model_dirs[arch]), dtype="bfloat16", max_total_tokens=1000, torch_num_threads=2,
+                         **NO_GRAMMAR) as started:
+        reference = _hf_bf16(tiny_model_dirs[arch], ids, 16)  # while the engine starts
+        engine = started()
         assert engine.info.dtype == "bfloat16"
-        worst, agreement = _compare(engine, tiny_model_dirs[arch], ids, 16)
+        worst, agreement = _compare(engine, reference, ids, 16)
         assert_pool_free(engine)
     print(f"{arch}: max |logprob diff| {worst:.4f}, greedy agreement {agreement:.2f}")
     assert worst < BF16_LOGPROB_TOLERANCE
@@ -77,9 +87,11 @@ def test_tiny_models_in_bf16_stay_within_tolerance_of_hf_bf16(arch, tiny_model_d
 def test_default_model_in_bf16_stays_within_tolerance_of_hf_bf16(default_model_dir, tokenizer):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Explain photosynthesis to a child."}],
                                         add_generation_prompt=True, tokenize=True, return_dict=False)
-    with Engine("default", dtype="bfloat16", quantization="none", max_total_tokens=2000,
-                torch_num_threads=2) as engine:
-        worst, agreement = _compare(engine, default_model_dir, ids, 24)
+    with engine_starting("default", dtype="bfloat16", quantization="none", max_total_tokens=2000,
+                         torch_num_threads=2, **NO_GRAMMAR) as started:
+        reference = _hf_bf16(default_model_dir, ids, 24)  # while the engine starts
+        engine = started()
+        worst, agreement = _compare(engine, reference, ids, 24)
         assert_pool_free(engine)
     print(f"default model: max |logprob diff| {worst:.4f}, greedy agreement {agreement:.2f}")
     assert worst < BF16_LOGPROB_TOLERANCE

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from furcate.runtime.attention.cascade import MIN_SHARED_TOKENS, attend_with_lse, merge, shared_prefix_len
-from .conftest import EXACT
+from .conftest import EXACT, NO_GRAMMAR
 
 
 def test_shared_prefix_len_stops_at_the_first_difference_and_the_shortest_cached_prefix():
@@ -40,7 +40,8 @@ def test_branches_over_a_cached_prefix_match_hf_logprobs(tiny_model_dirs, hf_ref
     prefix = tokenizer.encode(" ".join(f"line {i} of a long shared context" for i in range(40)))
     assert len(prefix) > 2 * MIN_SHARED_TOKENS
     branches = [prefix + tokenizer.encode(f" branch {i} goes its own way") for i in range(6)]
-    with Engine(str(tiny_model_dirs[arch]), **EXACT, max_total_tokens=4000, torch_num_threads=2) as engine:
+    with Engine(str(tiny_model_dirs[arch]), **EXACT, **NO_GRAMMAR, max_total_tokens=4000,
+                torch_num_threads=2) as engine:
         engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 0})
         outs = engine.generate(input_ids=branches, sampling_params={"max_new_tokens": 6, "temperature": 0,
                                                                     "ignore_eos": True},

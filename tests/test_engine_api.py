@@ -8,7 +8,7 @@ import pytest
 
 from furcate import Engine
 
-from .conftest import EXACT, assert_pool_free
+from .conftest import EXACT, NO_GRAMMAR, assert_pool_free
 
 PARAMS = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 
@@ -81,7 +81,8 @@ def test_stats_report_forward_time(engine):
 
 
 def test_pool_sized_from_memory_then_shutdown_then_generate_raises(tiny_model_dirs):
-    engine = Engine(str(tiny_model_dirs["qwen2"]), **EXACT, mem_fraction_static=0.01, torch_num_threads=1)
+    engine = Engine(str(tiny_model_dirs["qwen2"]), **EXACT, **NO_GRAMMAR, mem_fraction_static=0.01,
+                    torch_num_threads=1)
     assert engine.get_stats()["max_total_tokens"] >= 256
     assert engine.generate("hi", PARAMS)["meta_info"]["completion_tokens"] == 10
     engine.shutdown()

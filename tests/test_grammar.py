@@ -16,7 +16,7 @@ from furcate.grammars.base import GrammarSpec, allocate_bitmask
 from furcate.grammars.cache import make_backend
 from furcate.runtime.scheduler.grammar_queue import percentile
 
-from .conftest import EXACT, assert_pool_free
+from .conftest import EXACT, assert_pool_free, engines_side_by_side
 
 PERSON = {
     "type": "object",
@@ -113,11 +113,10 @@ def test_pydantic_schema_and_regex_and_choices(grammar_engine):
 def test_greedy_constrained_outputs_agree_across_loops(tiny_model_dirs, no_jump_forward):
     prompts = ["Describe a person as JSON:", "Person:", "{"]
     params = {"temperature": 0.0, "max_new_tokens": 40, "json_schema": PERSON}
-    outputs = []
-    for plain in (False, True):
-        with Engine(str(tiny_model_dirs["qwen3"]), **EXACT, max_total_tokens=2000, torch_num_threads=2,
-                    disable_overlap_schedule=plain, disable_jump_forward=no_jump_forward) as engine:
-            outputs.append([r["output_ids"] for r in engine.generate(prompts, params)])
+    args = {**EXACT, "max_total_tokens": 2000, "torch_num_threads": 2, "disable_jump_forward": no_jump_forward}
+    loops = [(str(tiny_model_dirs["qwen3"]), {**args, "disable_overlap_schedule": plain}) for plain in (False, True)]
+    with engines_side_by_side(*loops) as engines:
+        outputs = [[r["output_ids"] for r in engine.generate(prompts, params)] for engine in engines]
     assert outputs[0] == outputs[1]
 
 
@@ -132,17 +131,26 @@ def test_bad_schema_fails_only_its_request(grammar_engine):
     assert_pool_free(grammar_engine)
 
 
-@pytest.mark.parametrize("no_jump_forward", [False, True], ids=["jump-forward", "no-jump-forward"])
-def test_jump_forward_keeps_outputs_valid(tiny_model_dirs, no_jump_forward):
+def assert_valid_and_jumped(engine: Engine, jumps: bool) -> None:
+    jumped_before = engine.get_stats()["jumped_tokens"]
+    results = engine.generate(["Person:"] * 3, [{**RANDOM, "json_schema": PERSON, "sampling_seed": s}
+                                                for s in range(3)])
+    for result in results:
+        if finished_by_grammar(result):
+            jsonschema.validate(json.loads(result["text"]), PERSON)
+    assert (engine.get_stats()["jumped_tokens"] > jumped_before) == jumps
+    assert_pool_free(engine)
+
+
+def test_jump_forward_keeps_outputs_valid(grammar_engine):
+    """Jump-forward is on by default: the module's engines (plain and overlapped loop) take it."""
+    assert_valid_and_jumped(grammar_engine, jumps=True)
+
+
+def test_outputs_stay_valid_without_jump_forward(tiny_model_dirs):
     with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=2000, torch_num_threads=2,
-                disable_jump_forward=no_jump_forward) as engine:
-        results = engine.generate(["Person:"] * 3, [{**RANDOM, "json_schema": PERSON, "sampling_seed": s}
-                                                    for s in range(3)])
-        for result in results:
-            if finished_by_grammar(result):
-                jsonschema.validate(json.loads(result["text"]), PERSON)
-        assert (engine.get_stats()["jumped_tokens"] > 0) != no_jump_forward
-        assert_pool_free(engine)
+                disable_jump_forward=True) as engine:
+        assert_valid_and_jumped(engine, jumps=False)
 
 
 def test_outlines_compile_limit_fails_only_slow_grammars(tiny_model_dirs):

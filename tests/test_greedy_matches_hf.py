@@ -9,7 +9,7 @@ import pytest
 
 from furcate import Engine
 
-from .conftest import EXACT, ARCHS, assert_pool_free
+from .conftest import EXACT, ARCHS, NO_GRAMMAR, assert_pool_free, engine_starting
 
 WORDS = "the a river of stone light over quiet 7 42 hills and when, old machines sang; 3.14 never".split()
 
@@ -24,12 +24,13 @@ def make_prompts(count: int, seed: int) -> list[str]:
 def test_batch_and_staggered_greedy_equal_hf(arch, tiny_model_dirs, hf_reference, tokenizer):
     prompts = make_prompts(10, seed=ARCHS.index(arch))
     lengths = [4 + 3 * i for i in range(len(prompts))]
-    hf = hf_reference(arch)
-    expected = [hf.greedy(tokenizer.encode(p), n) for p, n in zip(prompts, lengths)]
     params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in lengths]
     # A small request limit and pool make requests queue and join the running decode batch as others finish.
-    with Engine(str(tiny_model_dirs[arch]), **EXACT, max_total_tokens=1500, max_running_requests=4,
-                torch_num_threads=2) as engine:
+    with engine_starting(str(tiny_model_dirs[arch]), **EXACT, **NO_GRAMMAR, max_total_tokens=1500,
+                         max_running_requests=4, torch_num_threads=2) as started:
+        hf = hf_reference(arch)  # while the engine starts
+        expected = [hf.greedy(tokenizer.encode(p), n) for p, n in zip(prompts, lengths)]
+        engine = started()
         together = engine.generate(prompts, params)
         assert [r["output_ids"] for r in together] == expected
         staggered = asyncio.run(_staggered(engine, prompts, params))
@@ -65,9 +66,11 @@ def test_repetition_penalty_matches_hf(engine, hf_reference, tokenizer):
 def test_pool_sized_below_one_request_still_serves_in_turn(tiny_model_dirs, hf_reference, tokenizer):
     """Requests that together exceed the KV pool wait for memory instead of failing."""
     prompts = make_prompts(6, seed=99)
-    hf = hf_reference("llama")
-    expected = [hf.greedy(tokenizer.encode(p), 20) for p in prompts]
-    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=128, torch_num_threads=2) as engine:
+    with engine_starting(str(tiny_model_dirs["llama"]), **EXACT, **NO_GRAMMAR, max_total_tokens=128,
+                         torch_num_threads=2) as started:
+        hf = hf_reference("llama")  # while the engine starts
+        expected = [hf.greedy(tokenizer.encode(p), 20) for p in prompts]
+        engine = started()
         out = engine.generate(prompts, {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True})
         assert [r["output_ids"] for r in out] == expected
         assert_pool_free(engine)

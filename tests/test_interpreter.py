@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import furcate as sgl
 from furcate import ProgramError
-from .conftest import EXACT
+from .conftest import EXACT, NO_GRAMMAR
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPT = "the river of stone and the quiet hills"
@@ -327,7 +327,8 @@ def test_misuse_is_a_clear_error(backend):
 
 
 def test_a_backend_failure_surfaces_as_a_program_error(tiny_model_dirs):
-    engine = sgl.Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=512, torch_num_threads=1)
+    engine = sgl.Engine(str(tiny_model_dirs["llama"]), **EXACT, **NO_GRAMMAR, max_total_tokens=512,
+                        torch_num_threads=1)
     engine.shutdown()
     with pytest.raises(ProgramError, match="shut down"):
         one_gen.run(PROMPT, backend=engine)

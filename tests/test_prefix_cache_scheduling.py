@@ -8,7 +8,7 @@ import pytest
 
 from furcate import Engine
 
-from .conftest import EXACT, assert_pool_free
+from .conftest import EXACT, NO_GRAMMAR, assert_pool_free, engines_side_by_side
 
 SHARED = ("You are a careful assistant. Answer in one word. The river of stone runs under quiet hills, and old "
           "machines sang when the light was 42 and 3.14. ")
@@ -52,7 +52,7 @@ CONFIGS = {
 def test_greedy_equals_hf_under_every_cache_and_schedule(name, tiny_model_dirs, expected):
     prompts, lengths, reference = expected
     args = {"max_total_tokens": 3000, "torch_num_threads": 2, **CONFIGS[name]}
-    with Engine(str(tiny_model_dirs["llama"]), **EXACT, **args) as engine:
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, **NO_GRAMMAR, **args) as engine:
         params = [{**GREEDY, "max_new_tokens": n} for n in lengths]
         first = engine.generate(prompts, params)
         assert [r["output_ids"] for r in first] == reference
@@ -94,24 +94,24 @@ def test_prompt_logprobs_are_exact_on_a_cached_prompt(engine, hf_reference, toke
     assert out["meta_info"]["cached_tokens"] <= 2
 
 
-def test_waiting_siblings_share_one_prefill(tiny_model_dirs, tokenizer):
+def test_waiting_siblings_share_one_prefill(engine, tokenizer):
     """Siblings sharing an uncached prefix: one computes it, the rest hit the cache it filled."""
     prompts = branch_prompts(4, seed=11)
-    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=3000, torch_num_threads=2) as engine:
-        results = engine.generate(prompts, {**GREEDY, "max_new_tokens": 3})
-        shared = len(tokenizer.encode(SHARED))
-        hits = sorted(r["meta_info"]["cached_tokens"] for r in results)
-        assert hits[0] == 0 and all(h >= shared - 2 for h in hits[1:]), hits
-        assert_pool_free(engine)
+    assert engine.flush_cache()  # nothing cached, as on a new engine
+    results = engine.generate(prompts, {**GREEDY, "max_new_tokens": 3})
+    shared = len(tokenizer.encode(SHARED))
+    hits = sorted(r["meta_info"]["cached_tokens"] for r in results)
+    assert hits[0] == 0 and all(h >= shared - 2 for h in hits[1:]), hits
 
 
 def test_chunked_prefill_logprobs_match_unchunked(tiny_model_dirs, tokenizer):
     prompt = SHARED + "chunked"
     params = {**GREEDY, "max_new_tokens": 5}
+    args = {**EXACT, **NO_GRAMMAR, "max_total_tokens": 2000, "torch_num_threads": 2}
     runs = []
-    for chunk in (-1, 4):
-        with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=2000, chunked_prefill_size=chunk,
-                    torch_num_threads=2) as engine:
+    with engines_side_by_side(*[(str(tiny_model_dirs["llama"]), {**args, "chunked_prefill_size": chunk})
+                                for chunk in (-1, 4)]) as engines:
+        for engine in engines:
             runs.append(engine.generate(prompt, params, return_logprob=True, logprob_start_len=0,
                                         top_logprobs_num=2))
             assert_pool_free(engine)

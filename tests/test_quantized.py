@@ -11,12 +11,12 @@ from gguf.quants import dequantize
 
 from furcate import Engine
 from furcate.benchmarks.precision_quality import chat_ids, greedy, measure, reference_logprobs
-from furcate.runtime.model.default_model import find_default_gguf
+from furcate.runtime.model.default_model import find_default_gguf, prepare_user_gguf
 from furcate.runtime.model.gguf_names import hf_name, unpermute_rope
 from furcate.runtime.model.quantize import gguf_block_weights
 from furcate.runtime.model.quantized import (Int4Linear, Int8Linear, SmallBatchQuantized, read_blocks)
 
-from .conftest import assert_pool_free
+from .conftest import NO_GRAMMAR, assert_pool_free, engines_side_by_side
 from .tiny_gguf import HEADS, KV_HEADS, QUANTIZED_LAYERS, build_tiny_gguf
 
 
@@ -90,9 +90,12 @@ def _prompt_logprobs(engine: Engine, ids: list[int]) -> torch.Tensor:
 def test_engine_on_a_quantized_gguf_stays_close_to_its_dequantized_weights(tiny_gguf, private_cache, dtype):
     ids = list(range(100, 160))
     results = {}
-    for quantization in ("gguf", "none"):
-        with Engine(str(tiny_gguf), dtype=dtype, quantization=quantization, max_total_tokens=2000,
-                    torch_num_threads=2) as engine:
+    kinds = ("gguf", "none")
+    prepare_user_gguf(str(tiny_gguf))  # converted once, before the two engines start side by side
+    with engines_side_by_side(*[(str(tiny_gguf), {"dtype": dtype, "quantization": quantization,
+                                                  "max_total_tokens": 2000, "torch_num_threads": 2, **NO_GRAMMAR})
+                                for quantization in kinds]) as engines:
+        for quantization, engine in zip(kinds, engines):
             assert engine.info.quantized_layers == (QUANTIZED_LAYERS if quantization == "gguf" else 0)
             assert engine.info.dtype == dtype
             results[quantization] = _prompt_logprobs(engine, ids)
@@ -116,7 +119,7 @@ def test_default_model_quantized_agrees_with_its_float32_self(default_engine):
     scores = reference_logprobs(default_engine, ids, reference)
     assert_pool_free(default_engine)
     with Engine("default", dtype="bfloat16", quantization="gguf", max_total_tokens=4096,
-                torch_num_threads=2) as engine:
+                torch_num_threads=2, **NO_GRAMMAR) as engine:
         assert engine.info.quantized_layers == 30 * 4 + 1
         quality = measure(engine, ids, reference, scores)
         assert_pool_free(engine)

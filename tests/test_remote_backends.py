@@ -12,7 +12,7 @@ from furcate.interpreter.backends.base import choice_starts
 from furcate.interpreter.backends.jinja_template import JinjaTemplateTokenizer
 from furcate.interpreter.backends.openai_backend import chat_messages, escape_regex
 
-from .conftest import assert_server_pool_free
+from .conftest import NO_GRAMMAR, assert_server_pool_free
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPT = "the river of stone and the quiet hills"
@@ -257,7 +257,7 @@ def test_cache_and_server_info(endpoint, tiny_model_dirs):
 
 def test_runtime_starts_serves_and_shuts_down_with_its_key(tiny_model_dirs):
     runtime = sgl.Runtime(str(tiny_model_dirs["llama"]), api_key="sesame", max_total_tokens=2000,
-                          torch_num_threads=1, dtype="float32")
+                          torch_num_threads=1, dtype="float32", **NO_GRAMMAR)
     try:
         assert runtime.url.startswith("http://127.0.0.1:")
         assert runtime.endpoint.endpoint is runtime.endpoint

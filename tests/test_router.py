@@ -1,6 +1,6 @@
-"""Two furcate servers behind a real sglang-router (cache-aware policy) on loopback: the router's rewritten
-requests are served (streamed ones too), outputs equal a single server's, and fan-out routes reach both workers;
-`serve --dp-size 2` with the cache-aware and power-of-two policies."""
+"""Two furcate servers behind a real sglang-router (cache-aware policy) on loopback, as `serve --dp-size 2` starts
+them: the router's rewritten requests are served (streamed ones too), outputs equal a single server's, and fan-out
+routes reach both workers; `serve --dp-size 2` with the cache-aware and power-of-two policies."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import requests
 
 from furcate.runtime.server.launch import ServerProcess
 
-from .conftest import EXACT, TINY_POOL_TOKENS, assert_server_pool_free
-from .processes import descendants, start_router
+from .conftest import EXACT, NO_GRAMMAR, TINY_POOL_TOKENS, Revivable, assert_server_pool_free
+from .processes import descendants
 from .test_server_native import sse_events
 
 pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install -e '.[dev]')")
@@ -21,20 +21,30 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_model_dirs):
-    servers = [ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS,
-                                                             "torch_num_threads": 1, **EXACT}) for _ in range(2)]
-    yield [s.url for s in servers]
-    for server in servers:
-        server.stop()
+def dp_servers(tiny_model_dirs):
+    shared = Revivable(lambda: ServerProcess(str(tiny_model_dirs["llama"]),
+                                             {"max_total_tokens": TINY_POOL_TOKENS, **EXACT, **NO_GRAMMAR},
+                                             extra_args=("--dp-size", "2")),
+                       ServerProcess.stop, lambda server: server.process.poll() is None)
+    yield shared
+    shared.close()
 
 
-@pytest.fixture(scope="module")
-def router(workers):
-    process, url = start_router(["--policy", "cache_aware", "--worker-urls", *workers], len(workers))
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+@pytest.fixture
+def dp_server(dp_servers) -> ServerProcess:
+    """`furcate serve --dp-size 2` (two servers, one core each, behind sglang-router with its default cache-aware
+    policy), shared by the module's tests; a new one when a test stopped it."""
+    return dp_servers.get()
+
+
+@pytest.fixture
+def router(dp_server) -> str:
+    return dp_server.url
+
+
+@pytest.fixture
+def workers(dp_server) -> list[str]:
+    return [w["url"] for w in requests.get(f"{dp_server.url}/workers", timeout=30).json()["workers"]]
 
 
 def test_generate_through_the_router_equals_a_single_server(router, tiny_server):
@@ -120,15 +130,17 @@ def test_chat_route_takes_the_routers_added_fields(workers):
     assert refused.status_code == 400 and "continue_final_message" in refused.json()["error"]["message"]
 
 
-def test_serve_dp_size_two_routes_shared_prefixes_to_one_worker_and_stops_everything(tiny_model_dirs, tiny_server):
+def test_serve_dp_size_two_routes_shared_prefixes_to_one_worker_and_stops_everything(dp_server, workers, tiny_server):
     import concurrent.futures
 
-    server = ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS, **EXACT},
-                           extra_args=("--dp-size", "2"))
+    server = dp_server  # stopped here: a later test that needs it gets a new one
     try:
         family = descendants(server.process.pid)
         # Two workers with a scheduler each, and the router.
         assert len(family) >= 5, family
+        assert len(workers) == 2
+        for url in workers:  # the module's other tests used them: from a cold cache, as a new server has
+            assert_server_pool_free(url)
         body = {"text": "The capital of France is", "sampling_params": GREEDY}
         direct = requests.post(f"{tiny_server.url}/generate", json=body, timeout=60).json()
         assert requests.post(f"{server.url}/generate", json=body, timeout=60).json()["output_ids"] == \
@@ -160,7 +172,7 @@ def test_runtime_with_dp_size_runs_programs_across_replicas_under_power_of_two(t
 
     texts = ("Once upon a time", "The river", "def f(x):")
     with sgl.Runtime(str(tiny_model_dirs["llama"]), dp_size=2, router_policy="power_of_two",
-                     max_total_tokens=TINY_POOL_TOKENS, **EXACT) as runtime:
+                     max_total_tokens=TINY_POOL_TOKENS, **EXACT, **NO_GRAMMAR) as runtime:
         routed = [state["more"] for state in continue_text.run_batch([{"text": t} for t in texts], backend=runtime)]
         # Ties in load go to a random one of the two choices, so 16 requests all landing on one worker would
         # take a 2^-15 chance even if the policy ignored load altogether.

@@ -17,7 +17,7 @@ import requests
 
 from furcate.runtime.server.launch import ServerProcess
 
-from .conftest import TINY_POOL_TOKENS, assert_server_pool_free
+from .conftest import NO_GRAMMAR, TINY_POOL_TOKENS, Revivable, assert_server_pool_free
 
 GOOD = {"text": "A steady request", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -174,15 +174,30 @@ def test_sglang_runtime_endpoint_requests(server):
     assert json.loads(lines[-2][5:].strip("\n"))["text"] == out["text"]
 
 
-# -- servers of their own: an API key with a one-slot queue; shutdown ----------------------------------------------
+# -- a server of its own: an API key with a one-slot queue; shutdown -----------------------------------------------
+
+KEY = {"Authorization": "Bearer s3cret"}
 
 
 @pytest.fixture(scope="module")
-def guarded_server(tiny_model_dirs):
+def guarded_servers(tiny_model_dirs):
     args = {"max_total_tokens": TINY_POOL_TOKENS, "torch_num_threads": 2, "dtype": "float32", "max_running_requests": 1,
-            "max_queued_requests": 1}
-    with ServerProcess(str(tiny_model_dirs["llama"]), args, api_key="s3cret") as server:
-        yield server.url
+            "max_queued_requests": 1, **NO_GRAMMAR}
+    shared = Revivable(lambda: ServerProcess(str(tiny_model_dirs["llama"]), args, api_key="s3cret"),
+                       ServerProcess.stop, lambda server: server.process.poll() is None)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def guarded(guarded_servers) -> ServerProcess:
+    """The module's server with an API key and a one-slot queue; a new one when a test stopped it."""
+    return guarded_servers.get()
+
+
+@pytest.fixture
+def guarded_server(guarded) -> str:
+    return guarded.url
 
 
 def test_api_key(guarded_server):
@@ -247,18 +262,18 @@ def _alive(pid: int) -> bool:
     return status.exists() and status.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny_model_dirs):
-    server = ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS,
-                                                          "torch_num_threads": 2, "dtype": "float32"})
+def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(guarded):
+    server = guarded  # stopped here: a later test that needs it gets a new one
     scheduler = _children(server.process.pid)
     assert scheduler, "the server should run its scheduler in a child process"
     results: list = []
     body = {"text": "in flight", "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
     worker = threading.Thread(target=lambda: results.append(requests.post(f"{server.url}/generate", json=body,
-                                                                          timeout=120)))
+                                                                          headers=KEY, timeout=120)))
     worker.start()
     deadline = time.monotonic() + 60
-    while not requests.get(f"{server.url}/get_server_info", timeout=30).json()["internal_states"][0]["running"]:
+    while not requests.get(f"{server.url}/get_server_info", headers=KEY,
+                           timeout=30).json()["internal_states"][0]["running"]:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.02)
     server.process.send_signal(signal.SIGTERM)

@@ -82,20 +82,31 @@ def llama_engine(shared_llama_engine):
     assert stats["running"] == 0 and stats["waiting"] == 0, stats
 
 
-@contextlib.contextmanager
-def engines_side_by_side(*engines: tuple[str, dict]) -> Iterator[list[Engine]]:
-    """Engines for (model path, engine arguments), started side by side (a start is mostly one core's work:
-    imports and loading) and shut down together at the end."""
+def start_side_by_side(*engines: tuple[str, dict]) -> list[Engine]:
+    """Engines for (model path, engine arguments), started side by side: a start is mostly one core's work
+    (imports and loading). If one fails, the others are shut down."""
     with ThreadPoolExecutor(len(engines)) as pool:
         starting = [pool.submit(Engine, path, **args) for path, args in engines]
-    started = [future.result() for future in starting if future.exception() is None]
+    failed = next((future.exception() for future in starting if future.exception() is not None), None)
+    if failed is not None:
+        shut_down([future.result() for future in starting if future.exception() is None])
+        raise failed
+    return [future.result() for future in starting]
+
+
+def shut_down(engines: list[Engine]) -> None:
+    with ThreadPoolExecutor(len(engines) or 1) as pool:
+        list(pool.map(Engine.shutdown, engines))
+
+
+@contextlib.contextmanager
+def engines_side_by_side(*engines: tuple[str, dict]) -> Iterator[list[Engine]]:
+    """start_side_by_side's engines, shut down together at the end."""
+    started = start_side_by_side(*engines)
     try:
-        for future in starting:
-            future.result()  # the first start that failed, if any
         yield started
     finally:
-        with ThreadPoolExecutor(len(started) or 1) as pool:
-            list(pool.map(Engine.shutdown, started))
+        shut_down(started)
 
 
 @contextlib.contextmanager

@@ -66,11 +66,22 @@ def test_length_bounded_strings_are_json_strings(tokenizer):
     assert not accepts('"abcde"') and not accepts('"a\tb"') and not accepts('"\x03"')
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["overlap", "plain"])  # disable_overlap_schedule
-def grammar_engine(request, tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=4000, torch_num_threads=2,
-                disable_overlap_schedule=request.param) as engine:
-        yield engine
+LLAMA_ENGINES = {"overlap": {"disable_overlap_schedule": False}, "plain": {"disable_overlap_schedule": True},
+                 "no-jump-forward": {"disable_jump_forward": True}}
+
+
+@pytest.fixture(scope="module")
+def llama_engines(tiny_model_dirs) -> dict[str, Engine]:
+    """The module's tiny llama engines (LLAMA_ENGINES), started side by side."""
+    args = {**EXACT, "max_total_tokens": 4000, "torch_num_threads": 2}
+    with engines_side_by_side(*[(str(tiny_model_dirs["llama"]), {**args, **extra})
+                                for extra in LLAMA_ENGINES.values()]) as engines:
+        yield dict(zip(LLAMA_ENGINES, engines))
+
+
+@pytest.fixture(scope="module", params=["overlap", "plain"])
+def grammar_engine(request, llama_engines) -> Engine:
+    return llama_engines[request.param]
 
 
 def finished_by_grammar(result: dict) -> bool:
@@ -147,10 +158,8 @@ def test_jump_forward_keeps_outputs_valid(grammar_engine):
     assert_valid_and_jumped(grammar_engine, jumps=True)
 
 
-def test_outputs_stay_valid_without_jump_forward(tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=2000, torch_num_threads=2,
-                disable_jump_forward=True) as engine:
-        assert_valid_and_jumped(engine, jumps=False)
+def test_outputs_stay_valid_without_jump_forward(llama_engines):
+    assert_valid_and_jumped(llama_engines["no-jump-forward"], jumps=False)
 
 
 def test_outlines_compile_limit_fails_only_slow_grammars(tiny_model_dirs):

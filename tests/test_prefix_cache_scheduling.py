@@ -8,7 +8,7 @@ import pytest
 
 from furcate import Engine
 
-from .conftest import EXACT, NO_GRAMMAR, assert_pool_free, engines_side_by_side
+from .conftest import EXACT, NO_GRAMMAR, assert_pool_free, engines_side_by_side, shut_down, start_side_by_side
 
 SHARED = ("You are a careful assistant. Answer in one word. The river of stone runs under quiet hills, and old "
           "machines sang when the light was 42 and 3.14. ")
@@ -48,11 +48,33 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module")
+def config_engine(tiny_model_dirs):
+    """The engine for a name in CONFIGS. Engines start two at a time, side by side (a start is mostly one core's
+    work): asking for one also starts the next config's, which waits, idle, for its own test."""
+    waiting: dict[str, Engine] = {}
+    asked: set[str] = set()
+
+    def args(name: str) -> dict:
+        return {**EXACT, **NO_GRAMMAR, "max_total_tokens": 3000, "torch_num_threads": 2, **CONFIGS[name]}
+
+    def get(name: str) -> Engine:
+        asked.add(name)
+        if name not in waiting:
+            following = [n for n in sorted(CONFIGS) if n > name and n not in asked and n not in waiting][:1]
+            names = [name, *following]
+            waiting.update(zip(names, start_side_by_side(*[(str(tiny_model_dirs["llama"]), args(n))
+                                                           for n in names])))
+        return waiting.pop(name)
+
+    yield get
+    shut_down(list(waiting.values()))
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_greedy_equals_hf_under_every_cache_and_schedule(name, tiny_model_dirs, expected):
+def test_greedy_equals_hf_under_every_cache_and_schedule(name, config_engine, expected):
     prompts, lengths, reference = expected
-    args = {"max_total_tokens": 3000, "torch_num_threads": 2, **CONFIGS[name]}
-    with Engine(str(tiny_model_dirs["llama"]), **EXACT, **NO_GRAMMAR, **args) as engine:
+    with config_engine(name) as engine:
         params = [{**GREEDY, "max_new_tokens": n} for n in lengths]
         first = engine.generate(prompts, params)
         assert [r["output_ids"] for r in first] == reference

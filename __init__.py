@@ -9,13 +9,35 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .interpreter import (
-    Backend, Function, ProgramError, ProgramState, ProgramStateGroup, flush_cache, function, get_server_info,
+    Backend,
+    Function,
+    ProgramError,
+    ProgramState,
+    ProgramStateGroup,
+    flush_cache,
+    function,
+    get_server_info,
     set_default_backend,
 )
 from .lang import (
-    assistant, assistant_begin, assistant_end, gen, gen_int, gen_string, greedy_token_selection, image, select,
-    system, system_begin, system_end, token_length_normalized, unconditional_likelihood_normalized, user,
-    user_begin, user_end, video,
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    greedy_token_selection,
+    image,
+    select,
+    system,
+    system_begin,
+    system_end,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+    user,
+    user_begin,
+    user_end,
+    video,
 )
 
 __version__ = "0.1.0"

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .runtime.config import EngineArgs, ServerArgs, from_cli_args
-    from .runtime.server.launch import serve
+    from .runtime.server.server_process import serve
 
     try:
         engine_args, server_args = EngineArgs.from_cli_args(args), from_cli_args(ServerArgs, args)

@@ -228,7 +228,7 @@ def main() -> None:
         print(f"greedy tokens identical to HF for {matched}/{checked} of the first prompts")
     print_table(furcate, hf, facts)
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": model_dir,
         "torch_threads": args.threads,
         "torch_version": torch.__version__,

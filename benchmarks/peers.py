@@ -78,7 +78,7 @@ def furcate_worker(spec: dict, workloads: dict) -> dict:
         run(workloads["offline"][:2], 4)
         for name, n in (("offline", OFFLINE["output_len"]), ("shared_prefix", SHARED["output_len"])):
             assert engine.flush_cache()
-            outputs, seconds, foreign = timed(lambda: run(workloads[name], n))
+            outputs, seconds, foreign = timed(lambda name=name, n=n: run(workloads[name], n))
             results[name] = summary(outputs, seconds, foreign)
 
         def decode(n: int) -> list[list[int]]:
@@ -131,7 +131,7 @@ def hf_worker(spec: dict, workloads: dict) -> dict:
 
     run(workloads["offline"][:2], 4)
     for name, n in (("offline", OFFLINE["output_len"]), ("shared_prefix", SHARED["output_len"])):
-        outputs, seconds, foreign = timed(lambda: run(workloads[name], n))
+        outputs, seconds, foreign = timed(lambda name=name, n=n: run(workloads[name], n))
         results[name] = summary(outputs, seconds, foreign)
     results["decode_b1"] = decode_summary(lambda n: run([workloads["decode_b1"]], n))
     return results
@@ -249,7 +249,7 @@ def markdown(report: dict) -> str:
              "| precision / workload | furcate tok/s | llama.cpp tok/s | HF tok/s | furcate/llama.cpp | furcate/HF "
              "| agreement llama.cpp | agreement HF | foreign CPU s |", "|---|---|---|---|---|---|---|---|---|"]
     for key, row in report["table"].items():
-        def cell(name, fmt="{:.1f}"):
+        def cell(name, fmt="{:.1f}", row=row):
             return fmt.format(row[name]) if row.get(name) is not None else "-"
         lines.append(f"| {key} | {cell('furcate')} | {cell('llama.cpp')} | {cell('hf')} | "
                      f"{cell('furcate/llama.cpp', '{:.2f}x')} | {cell('furcate/hf', '{:.2f}x')} | "
@@ -296,7 +296,7 @@ def main() -> None:
             gguf = ggufs[PRECISIONS[precision]["llama.cpp"]] if system == "llama.cpp" else None
             results[precision][system] = run_worker(system, precision, args.threads, workloads_file, gguf)
     table = compare(results)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "threads": args.threads, "load_before": [round(x, 2) for x in load_before],
               "versions": {"furcate": furcate.__version__, "llama_cpp": llama_cpp.__version__,
                            "transformers": transformers.__version__, "torch": torch.__version__},

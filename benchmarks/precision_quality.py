@@ -88,7 +88,7 @@ def run(num_prompts: int, tokens: int, threads: int) -> dict:
         with Engine("default", **args, **common) as engine:
             results[name] = asdict(measure(engine, prompts, reference, reference_scores))
             results[name]["engine_args"] = args
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "reference": "float32, every weight dequantized from the GGUF", "prompts": num_prompts,
             "output_tokens": tokens, "results": results}
 

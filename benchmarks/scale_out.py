@@ -40,14 +40,27 @@ from dataclasses import asdict, dataclass
 
 import requests
 
-from furcate.benchmarks.serving import (
-    RESULTS, CpuMeter, FurcateServer, Mode, NativeProtocol, Policy, Request, Watchdog, Workload, drive, loadavg,
-    ms, shared_prefix_workload, steady, summarize, wait_until_idle,
-)
 from furcate.benchmarks.scale_out_pd import pd_markdown, run_pd
+from furcate.benchmarks.serving import (
+    RESULTS,
+    CpuMeter,
+    FurcateServer,
+    Mode,
+    NativeProtocol,
+    Policy,
+    Request,
+    Watchdog,
+    Workload,
+    drive,
+    loadavg,
+    ms,
+    shared_prefix_workload,
+    steady,
+    summarize,
+    wait_until_idle,
+)
 from furcate.benchmarks.shared_prefix import oracle_hit_rate
-from furcate.runtime.server.launch import ServerProcess
-
+from furcate.runtime.server.server_process import ServerProcess
 
 # -- dp: data parallelism behind sglang-router ------------------------------------------------------------------
 

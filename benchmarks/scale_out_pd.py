@@ -21,10 +21,21 @@ from dataclasses import asdict, dataclass
 import requests
 
 from furcate.benchmarks.serving import (
-    CpuMeter, FurcateServer, Mode, NativeProtocol, Policy, Request, Watchdog, Workload, drive, loadavg,
-    random_workload, steady, summarize,
+    CpuMeter,
+    FurcateServer,
+    Mode,
+    NativeProtocol,
+    Policy,
+    Request,
+    Watchdog,
+    Workload,
+    drive,
+    loadavg,
+    random_workload,
+    steady,
+    summarize,
 )
-from furcate.runtime.server.launch import ServerProcess
+from furcate.runtime.server.server_process import ServerProcess
 
 TRANSFER_COUNTERS = ("kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_writes",
                      "kv_transfer_failures")

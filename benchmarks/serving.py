@@ -522,7 +522,7 @@ class LlamaServer(HttpSystem):
 
 
 def start_furcate_server(model_dir: str, threads: int, engine_args: dict, api: str) -> FurcateServer:
-    from furcate.runtime.server.launch import ServerProcess
+    from furcate.runtime.server.server_process import ServerProcess
 
     server = ServerProcess(model_dir, {"torch_num_threads": threads, **engine_args}, "127.0.0.1", port=0)
     url = server.url.rstrip("/")
@@ -879,9 +879,10 @@ def main() -> None:
         write_markdown(source.with_suffix(".md"), json.loads(source.read_text()))
         print(f"wrote {source.with_suffix('.md')}")
         return
+    from transformers import AutoTokenizer
+
     from furcate.runtime.model.default_model import find_default_gguf
     from furcate.runtime.model.loader import resolve_model_path
-    from transformers import AutoTokenizer
 
     model_dir, gguf = resolve_model_path("default"), str(find_default_gguf())
     systems = [s for s in args.systems.split(",") if s]

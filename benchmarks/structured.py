@@ -25,6 +25,8 @@ import json
 import pathlib
 import time
 
+from transformers import AutoTokenizer
+
 from furcate import Engine
 from furcate.benchmarks.jsonschemabench import BENCH, load_cases
 from furcate.benchmarks.offline_throughput import CpuMeter
@@ -37,7 +39,6 @@ from furcate.benchmarks.structured_grammars import (
 from furcate.grammars.base import GrammarSpec
 from furcate.grammars.cache import make_backend
 from furcate.runtime.model.default_model import prepare_default_model
-from transformers import AutoTokenizer
 
 BACKENDS = ("auto", "llguidance", "xgrammar", "outlines")
 CITIES = ("Paris", "Lagos", "Lima", "Oslo", "Pune", "Quito", "Rome", "Seoul", "Tunis", "Accra", "Baku", "Cairo",
@@ -206,7 +207,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
     cases = load_cases()
     cases = {name: cases[name] for name in evenly_spaced(list(cases), args.schemas or len(cases))}
-    report: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report: dict = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     "settings": vars(args), "coverage": {}, "compliance": {}}
     output = pathlib.Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

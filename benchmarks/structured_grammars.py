@@ -11,6 +11,7 @@ from typing import Any
 import jsonschema
 import referencing
 import referencing.exceptions
+
 from furcate import Engine
 from furcate.benchmarks.jsonschemabench import cached_encoder, judge
 from furcate.grammars.base import GrammarSpec

@@ -8,8 +8,9 @@ Run: python examples/json_extraction.py
 
 from __future__ import annotations
 
-import furcate as sgl
 from pydantic import BaseModel
+
+import furcate as sgl
 
 
 class Person(BaseModel):

@@ -66,7 +66,7 @@ class ChatTemplate:
                 continue
         try:
             first = self._segment([], role)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a template that cannot render one role alone falls back to `later`
             first = later
         if later is None:
             later = first

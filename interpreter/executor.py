@@ -15,17 +15,29 @@ from typing import Any
 
 from ..lang.choices import ChoicesDecision
 from ..lang.ir import (
-    CommitPrefix, Concat, Constant, Expr, Gen, Image, RoleBegin, RoleEnd, Select, SetVar, VarRef, VarScopeBegin,
-    VarScopeEnd, Video, defined_names,
+    CommitPrefix,
+    Concat,
+    Constant,
+    Expr,
+    Gen,
+    Image,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SetVar,
+    VarRef,
+    VarScopeBegin,
+    VarScopeEnd,
+    Video,
+    defined_names,
 )
 from .backends.base import Backend
 from .errors import ProgramError
 from .events import EventLog, TextEvent
 from .loop import call_soon, on_interpreter_loop
 
-
 # The executor whose program function is running in this context (its reads must not wait for it to return).
-RUNNING_BODY: contextvars.ContextVar["Executor | None"] = contextvars.ContextVar("furcate_running_body",
+RUNNING_BODY: contextvars.ContextVar[Executor | None] = contextvars.ContextVar("furcate_running_body",
                                                                                   default=None)
 
 
@@ -95,7 +107,7 @@ class Executor:
     def end(self) -> None:
         self.submit(EndOfProgram())
 
-    def child(self) -> "Executor":
+    def child(self) -> Executor:
         """A fork child: a copy of this state as it is now (call after sync)."""
         child = Executor(self.backend, self.sampling, self.logprobs, self.stream)
         child.text = self.text
@@ -152,7 +164,7 @@ class Executor:
             if handler is None:
                 raise TypeError(f"cannot run a {type(expr).__name__} node")
             await handler(self, expr)
-        except Exception as error:  # noqa: BLE001 - every failure becomes the node's ProgramError
+        except Exception as error:  # every failure becomes the node's ProgramError
             raise ProgramError(expr.describe(), error) from error
 
     def _append(self, text: str, var: str | None = None, meta_info: dict | None = None) -> None:

@@ -40,7 +40,7 @@ class RunOptions:
     backend: Any = None
 
     @classmethod
-    def pop_from(cls, kwargs: dict[str, Any]) -> "RunOptions":
+    def pop_from(cls, kwargs: dict[str, Any]) -> RunOptions:
         """Take run()'s own keywords out of `kwargs`, leaving the program's arguments."""
         sampling = {k: kwargs.pop(k, v) for k, v in SAMPLING_DEFAULTS.items()}
         logprobs = {k: kwargs.pop(k) for k in LOGPROB_KEYS if k in kwargs}
@@ -65,7 +65,7 @@ class Function:
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)
 
-    def bind(self, **kwargs: Any) -> "Function":
+    def bind(self, **kwargs: Any) -> Function:
         """A copy with some program arguments fixed."""
         return Function(self.program.bind(**kwargs))
 

@@ -30,13 +30,13 @@ class ProgramState(BuildingMethods):
 
     # -- building ---------------------------------------------------------------------------------------------
 
-    def __iadd__(self, other: Any) -> "ProgramState":
+    def __iadd__(self, other: Any) -> ProgramState:
         if other is None:
             raise ValueError("cannot add None to a program state")
         self._add(as_expr(other))
         return self
 
-    def fork(self, size: int = 1) -> "ProgramStateGroup":
+    def fork(self, size: int = 1) -> ProgramStateGroup:
         """`size` copies of this state as it is now; with more than one, the shared text is cached first."""
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 4096:
             raise ValueError(f"fork size must be an integer in [1, 4096], got {size!r}")
@@ -46,7 +46,7 @@ class ProgramState(BuildingMethods):
         return ProgramStateGroup([ProgramState(self.executor.child()) for _ in range(size)], self)
 
     @contextlib.contextmanager
-    def copy(self) -> Iterator["ProgramState"]:
+    def copy(self) -> Iterator[ProgramState]:
         """`with s.copy() as c:` a one-child fork whose new variables are gathered back at the end."""
         group = self.fork(1)
         yield group[0]
@@ -187,7 +187,7 @@ class ProgramStateGroup:
     def __iter__(self) -> Iterator[ProgramState]:
         return iter(self.states)
 
-    def __iadd__(self, other: Any) -> "ProgramStateGroup":
+    def __iadd__(self, other: Any) -> ProgramStateGroup:
         if callable(other) and not isinstance(other, Expr):
             for index, state in enumerate(self.states):
                 state += other(index)

@@ -1,11 +1,28 @@
 """The language as data (no torch, no I/O, no threads): expressions, choice methods, dtypes, programs, tracing."""
 
 from .api import (
-    assistant, assistant_begin, assistant_end, gen, gen_int, gen_string, image, role, select, system,
-    system_begin, system_end, user, user_begin, user_end, video,
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    image,
+    role,
+    select,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+    video,
 )
 from .choices import (
-    ChoiceScores, ChoicesDecision, greedy_token_selection, token_length_normalized,
+    ChoiceScores,
+    ChoicesDecision,
+    greedy_token_selection,
+    token_length_normalized,
     unconditional_likelihood_normalized,
 )
 from .ir import Expr

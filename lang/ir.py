@@ -15,10 +15,10 @@ from .choices import ChoicesMethod
 class Expr:
     """Base of every expression; `+` concatenates expressions and strings."""
 
-    def __add__(self, other: Any) -> "Concat":
+    def __add__(self, other: Any) -> Concat:
         return Concat.of(self, other)
 
-    def __radd__(self, other: Any) -> "Concat":
+    def __radd__(self, other: Any) -> Concat:
         return Concat.of(other, self)
 
     def describe(self) -> str:
@@ -52,7 +52,7 @@ class Concat(Expr):
     parts: tuple[Expr, ...]
 
     @classmethod
-    def of(cls, *items: Any) -> "Concat":
+    def of(cls, *items: Any) -> Concat:
         parts: list[Expr] = []
         for item in items:
             expr = as_expr(item)

@@ -34,7 +34,7 @@ class Program:
         params = list(inspect.signature(self.func).parameters.values())[1:]
         return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
-    def bind(self, **kwargs: Any) -> "Program":
+    def bind(self, **kwargs: Any) -> Program:
         unknown = self._unknown(kwargs)
         if unknown:
             raise TypeError(f"{self.name}() has no parameter(s) {', '.join(unknown)}")

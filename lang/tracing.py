@@ -33,7 +33,7 @@ class TracerState(BuildingMethods):
     def _add(self, expr: Expr) -> None:
         self.nodes.append(expr)
 
-    def __iadd__(self, other: Any) -> "TracerState":
+    def __iadd__(self, other: Any) -> TracerState:
         self._add(as_expr(other))
         return self
 

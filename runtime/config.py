@@ -168,7 +168,7 @@ class EngineArgs:
         add_dataclass_args(cls, parser)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return from_cli_args(cls, args)
 
 

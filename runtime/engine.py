@@ -24,8 +24,8 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from .config import EngineArgs
-from .io import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
 from .distributed.tp_layers import check_tp_size
+from .messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
 from .model.loader import load_config, resolve_model_path
 from .request_builder import RequestBuilder
 from .request_state import RequestState
@@ -195,7 +195,7 @@ class Engine:
         self._conn.close()
         self._fail_all(RuntimeError("engine was shut down"))
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -9,8 +9,9 @@ without one is a value that other code interprets (a policy name, "auto").
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 
 @dataclass(frozen=True)

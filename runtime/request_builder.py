@@ -8,7 +8,7 @@ import re
 import uuid
 from typing import Any
 
-from .io import Bootstrap, SchedulerReady, TokenizedGenerateReq
+from .messages import Bootstrap, SchedulerReady, TokenizedGenerateReq
 from .sampling.params import SamplingParams
 
 # A DNS name, an IPv4 address or an IPv6 address (bare or in brackets): nothing that could bend the URL.

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, stream_holdback, trim_stop
-from .io import PeerServerError, ReqOutput, TokenizedGenerateReq
+from .messages import PeerServerError, ReqOutput, TokenizedGenerateReq
 from .schema_check import SchemaChecker, SchemaVerdict
 
 

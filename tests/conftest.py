@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from furcate import Engine
 from furcate.runtime.model.default_model import prepare_default_model
-from furcate.runtime.server.launch import ServerProcess
+from furcate.runtime.server.server_process import ServerProcess
 
 from .tiny_models import CONFIGS, build_tiny_model
 

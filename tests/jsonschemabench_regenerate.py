@@ -11,9 +11,10 @@ import json
 import pathlib
 import re
 
+from transformers import AutoTokenizer
+
 from furcate.benchmarks.jsonschemabench import BENCH, load_cases
 from furcate.runtime.model.default_model import prepare_default_model
-from transformers import AutoTokenizer
 
 from . import jsonschemabench_gaps as recorded
 from .test_grammar_backends_jsonschemabench import sweep

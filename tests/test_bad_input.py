@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from furcate import EngineArgs
+
 from .conftest import EXACT, NO_GRAMMAR
 
 GOOD = {"max_new_tokens": 4, "temperature": 0}

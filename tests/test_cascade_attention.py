@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from furcate.runtime.attention.cascade import MIN_SHARED_TOKENS, attend_with_lse, merge, shared_prefix_len
+
 from .conftest import EXACT, NO_GRAMMAR
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-
 from .conftest import assert_pool_free
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from furcate.runtime.server.launch import ServerProcess
+from furcate.runtime.server.server_process import ServerProcess
 
 from .conftest import EXACT, NO_GRAMMAR, TINY_POOL_TOKENS, Revivable, assert_server_pool_free
 from .processes import descendants, free_port, start_router

@@ -25,8 +25,7 @@ from furcate.runtime import registry
 from furcate.runtime.attention import select
 from furcate.runtime.attention.base import ForwardBatch, ModelAttention
 from furcate.runtime.attention.cascade import MIN_SHARED_TOKENS
-from furcate.runtime.attention.flashinfer_backend import (CascadeRun, FlashInferAttention, check_supported,
-                                                          window_left)
+from furcate.runtime.attention.flashinfer_backend import CascadeRun, FlashInferAttention, check_supported, window_left
 from furcate.runtime.attention.torch_native import TorchNativeAttention
 from furcate.runtime.cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from furcate.runtime.cuda_graph import batch_size_ladder, pad_decode_batch, padded_batch_size

@@ -9,7 +9,7 @@ import pytest
 
 from furcate import Engine
 
-from .conftest import EXACT, ARCHS, NO_GRAMMAR, assert_pool_free, engine_starting
+from .conftest import ARCHS, EXACT, NO_GRAMMAR, assert_pool_free, engine_starting
 
 WORDS = "the a river of stone light over quiet 7 42 hills and when, old machines sang; 3.14 never".split()
 

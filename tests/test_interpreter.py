@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import furcate as sgl
 from furcate import ProgramError
+
 from .conftest import EXACT, NO_GRAMMAR
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

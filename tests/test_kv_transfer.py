@@ -3,6 +3,7 @@ between two pools, the room registry's pairing and its write-or-withdraw guarant
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from furcate.runtime.cache.memory_pool import TokenToKVPool
 from furcate.runtime.disaggregation.bootstrap import RoomRegistry
 from furcate.runtime.disaggregation.layout import KVLayout, runs, write_list
-from furcate.runtime.io import SchedulerReady
+from furcate.runtime.messages import SchedulerReady
 from furcate.runtime.request_builder import RequestBuilder
 
 
@@ -90,8 +91,10 @@ def test_concurrent_withdraw_and_write_agree():
         registry = RoomRegistry()
         claim = registry.claim(room, {})
         results = {}
-        threads = [threading.Thread(target=lambda: results.__setitem__("w", registry.withdraw(room, claim))),
-                   threading.Thread(target=lambda: results.__setitem__("b", registry.begin_write(claim)))]
+        withdraw = functools.partial(registry.withdraw, room, claim)
+        write = functools.partial(registry.begin_write, claim)
+        threads = [threading.Thread(target=lambda w=withdraw, r=results: r.__setitem__("w", w())),
+                   threading.Thread(target=lambda b=write, r=results: r.__setitem__("b", b()))]
         for thread in threads:
             thread.start()
         for thread in threads:

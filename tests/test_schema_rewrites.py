@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jsonschema
 import pytest
+
 from furcate.grammars.rewrites import equivalent_schema
 
 SAMPLES = [None, True, False, 0, 1, 2.5, 299, 300, 301, -1, "", "a", "abcd", "2024-02-29", [], [1], [1, "x"], {},

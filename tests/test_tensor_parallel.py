@@ -185,7 +185,7 @@ def test_follower_exits_when_its_rank_zero_goes_away():
 # Loaded by every interpreter started with PYTHONPATH pointing here; breaks only the follower's model loading.
 BROKEN_FOLLOWER = """
 import sys
-if "furcate.runtime.distributed.follower" in sys.orig_argv:
+if "furcate.runtime.scheduler.tp_follower" in sys.orig_argv:
     from furcate.runtime.model import loader
 
     def load_model(*args, **kwargs):

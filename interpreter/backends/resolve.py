@@ -8,7 +8,7 @@ from typing import Any
 from .base import Backend
 
 _default: Backend | None = None
-_wrapped: "weakref.WeakKeyDictionary[Any, Backend]" = weakref.WeakKeyDictionary()
+_wrapped: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
 
 
 def as_backend(obj: Any) -> Backend:

@@ -22,7 +22,7 @@ class Runtime:
     def __init__(self, model_path: str = "default", *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, startup_timeout: float = 600.0, dp_size: int = 1,
                  router_policy: str = "cache_aware", pd_disaggregation: bool = False, **engine_args: Any) -> None:
-        from ...runtime.server.launch import ServerProcess
+        from ...runtime.server.server_process import ServerProcess
 
         extra = ("--dp-size", str(dp_size), "--router-policy", router_policy) if dp_size != 1 else ()
         extra += ("--pd-disaggregation",) if pd_disaggregation else ()

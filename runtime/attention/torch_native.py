@@ -43,7 +43,7 @@ class Bucket:
     def size(self) -> int:
         return self.kv_index.shape[0]
 
-    def to(self, device: torch.device) -> "Bucket":
+    def to(self, device: torch.device) -> Bucket:
         """The bucket with its index tensors on the device that runs attention (planned on the host)."""
         if device.type == "cpu":
             return self

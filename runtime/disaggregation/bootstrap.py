@@ -156,7 +156,7 @@ async def claim_room(session: aiohttp.ClientSession, host: str, port: int, room:
         async with session.post(url, json={**destination, "timeout": timeout},
                                 timeout=aiohttp.ClientTimeout(total=timeout + CLIENT_GRACE_S)) as response:
             body = await response.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as error:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as error:
         return {"error": f"the prefill server's bootstrap service at {host}:{port} did not answer: "
                          f"{type(error).__name__}: {error}"}
     if not isinstance(body, dict) or ("error" not in body and "first_token" not in body):

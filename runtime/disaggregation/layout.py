@@ -21,7 +21,7 @@ class KVLayout:
     v_addrs: list[int]
 
     @classmethod
-    def of(cls, pool: TokenToKVPool) -> "KVLayout":
+    def of(cls, pool: TokenToKVPool) -> KVLayout:
         first = pool.k_buffer[0]
         return cls(str(first.dtype).removeprefix("torch."), first[0].numel() * first.element_size(), first.shape[0],
                    [b.data_ptr() for b in pool.k_buffer], [b.data_ptr() for b in pool.v_buffer])
@@ -30,11 +30,11 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "KVLayout":
+    def from_json(cls, data: dict[str, Any]) -> KVLayout:
         return cls(str(data["dtype"]), int(data["slot_bytes"]), int(data["num_slots"]),
                    [int(a) for a in data["k_addrs"]], [int(a) for a in data["v_addrs"]])
 
-    def mismatch(self, peer: "KVLayout") -> str | None:
+    def mismatch(self, peer: KVLayout) -> str | None:
         """Why K/V cannot be copied slot for slot into the peer's pool (different model or dtype), or None."""
         mine = (len(self.k_addrs), self.slot_bytes, self.dtype)
         theirs = (len(peer.k_addrs), peer.slot_bytes, peer.dtype)

@@ -12,8 +12,7 @@ from .decoder import STACKED, DecoderForCausalLM
 from .default_model import gguf_source
 from .gguf_names import hf_name, rope_row_order
 from .loader import cpu_has_native_bf16
-from .quantized import (SUPPORTED_TYPES, BlockWeights, SmallBatchQuantized, quantized_linear, read_blocks,
-                        stack_rows)
+from .quantized import SUPPORTED_TYPES, BlockWeights, SmallBatchQuantized, quantized_linear, read_blocks, stack_rows
 
 # Rows up to which the quantized kernels beat bfloat16 matmuls (benchmarks: int4 at 8 rows ~ dense).
 SMALL_BATCH_ROWS = 8

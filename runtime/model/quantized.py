@@ -33,7 +33,7 @@ class BlockWeights:
     scale: np.ndarray  # [N, K / 32] float32
     offset: np.ndarray  # [N, K / 32] float32
 
-    def take_rows(self, order: np.ndarray) -> "BlockWeights":
+    def take_rows(self, order: np.ndarray) -> BlockWeights:
         return BlockWeights(self.kind, self.q[order], self.scale[order], self.offset[order])
 
     def dequantize(self) -> torch.Tensor:

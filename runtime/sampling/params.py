@@ -55,7 +55,7 @@ class SamplingParams:
     allow_approximate_schema: bool = False
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
         """Build from a user dict; an unknown field or bad value raises ValueError naming the field."""
         if raw is not None and not isinstance(raw, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(raw).__name__}")

@@ -26,7 +26,7 @@ class ReqSlice:
     input_rows: range  # positions whose logits give reported prompt logprobs
 
     @classmethod
-    def next_of(cls, req: Req, max_length: int | None = None) -> "ReqSlice":
+    def next_of(cls, req: Req, max_length: int | None = None) -> ReqSlice:
         """The next slice of a request: the rest of its fill_ids, cut at max_length."""
         remaining = req.fill_len - req.kv_len
         length = remaining if max_length is None else min(remaining, max_length)

@@ -18,9 +18,8 @@ AUTHKEY_ENV = "FURCATE_SCHEDULER_AUTHKEY"
 
 
 def serve(conn: Connection) -> None:
-    from ..distributed.spawn import spawn_followers
-
     from ..attention.select import resolve_device
+    from ..distributed.spawn import spawn_followers
 
     args, model_path, tokenizer_path = conn.recv()
     args = dataclasses.replace(args, device=resolve_device(args.device))  # once, for this process and its ranks
@@ -29,7 +28,7 @@ def serve(conn: Connection) -> None:
 
     import torch
 
-    from ..io import SchedulerError
+    from ..messages import SchedulerError
     from .scheduler import Scheduler
 
     logging.basicConfig(level=args.log_level.upper())

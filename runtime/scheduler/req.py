@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..io import Bootstrap, ReqOutput, TokenizedGenerateReq
+from ..messages import Bootstrap, ReqOutput, TokenizedGenerateReq
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
 
@@ -47,7 +47,7 @@ class Req:
     bootstrap: Bootstrap | None = None  # disaggregated serving: where this request's other half is paired
 
     @classmethod
-    def from_tokenized(cls, req: TokenizedGenerateReq, seed: int, eos_ids: frozenset[int]) -> "Req":
+    def from_tokenized(cls, req: TokenizedGenerateReq, seed: int, eos_ids: frozenset[int]) -> Req:
         return cls(
             rid=req.rid,
             input_ids=req.input_ids,

@@ -21,18 +21,18 @@ from ..config import EngineArgs
 from ..disaggregation.decode import DecodeReceiver
 from ..disaggregation.prefill import PrefillSender
 from ..distributed.spawn import Spawned
-from ..io import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
+from ..messages import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
 from .jump_forward import forced_tokens
-from .memory import MemoryManager
 from .launch import FutureTokens, InlineLauncher, Launched, WorkerLauncher, abandon
+from .memory import MemoryManager
 from .model_runner import ModelRunner, SamplingInputs, StepResult
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
+from .req import Req, bad_request
 from .rpc import SchedulerRpc
 from .transfers import TransferSteps
-from .req import Req, bad_request
 
 logger = logging.getLogger("furcate.scheduler")
 
@@ -192,7 +192,7 @@ class Scheduler(SchedulerRpc, TransferSteps):
         """Queue a new request; one that cannot even be queued fails alone, the loop keeps going."""
         try:
             req = Req.from_tokenized(message, self.rng.randrange(2**31), self.eos_ids)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:  # noqa: BLE001 - a malformed request is answered, never allowed to stop the loop
             self.outputs.append(ReqOutput(rid=message.rid, new_token_ids=[], finish_reason=bad_request(
                 f"request could not be queued: {type(error).__name__}: {error}", 500)))
             return

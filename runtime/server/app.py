@@ -11,7 +11,7 @@ from aiohttp import web
 
 from ..config import ServerArgs
 from ..engine import Engine, QueueFullError
-from ..io import PeerServerError
+from ..messages import PeerServerError
 from . import native, openai_api
 from .errors import ApiError, error_response
 from .keys import ENGINE, METRICS, SETTINGS

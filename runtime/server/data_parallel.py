@@ -20,7 +20,7 @@ import time
 import requests
 
 from ..config import EngineArgs, ServerArgs
-from .launch import READY_PREFIX, ServerProcess, _url_host
+from .server_process import READY_PREFIX, ServerProcess, _url_host
 
 ROUTER_STARTUP_S = 60.0
 

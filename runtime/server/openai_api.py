@@ -13,9 +13,9 @@ from aiohttp import web
 from ..engine import Engine
 from . import openai_format as fmt
 from .errors import ApiError, read_json_object
-from .router_fields import BOOTSTRAP_FIELDS, strip_router_fields
 from .keys import ENGINE, SETTINGS
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
+from .router_fields import BOOTSTRAP_FIELDS, strip_router_fields
 from .sse import open_stream, send_done, send_event
 
 STARTED = int(time.time())

@@ -111,7 +111,7 @@ class ServerProcess:
                 self.process.kill()
         return self.process.wait()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: Any) -> None:

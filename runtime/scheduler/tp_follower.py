@@ -1,7 +1,8 @@
-"""A follower rank of tensor parallelism: `python -m furcate.runtime.distributed.follower FD`.
+"""A follower rank of tensor parallelism: `python -m furcate.runtime.scheduler.tp_follower FD`.
 
 It loads its shard of the model, builds KV pools for its KV heads, and then runs every forward rank 0 runs, as
-rank 0 hands them over (followers.py): same batch, same attention metadata, same collectives. It never samples.
+rank 0 hands them over (distributed/followers.py): same batch, same attention metadata, same collectives. It never
+samples.
 It exits when rank 0 says stop or its pipe closes (rank 0 is gone).
 """
 
@@ -16,10 +17,10 @@ from multiprocessing.connection import Connection
 def serve(pipe: Connection) -> None:
     import torch
 
-    from ..scheduler.model_runner import ModelRunner
-    from .followers import FollowerFailed, FollowerStart
-    from .parallel_state import TensorParallel, join_group, leave_group
-    from .step_sync import receive_step
+    from ..distributed.followers import FollowerFailed, FollowerStart
+    from ..distributed.parallel_state import TensorParallel, join_group, leave_group
+    from ..distributed.step_sync import receive_step
+    from .model_runner import ModelRunner
 
     start: FollowerStart = pipe.recv()
     args = start.args

@@ -40,10 +40,6 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     pending: ReqOutput | None = None  # what the next message to the engine will carry
     matcher: Any = None  # grammar state, for constrained requests
-    # Overlap loop: the future-buffer slot of an output token sampled but not yet seen by the scheduler.
-    future_slot: int | None = None
-    # Overlap loop: the in-flight batch sampled for this request from a state jump-forward has since changed.
-    discard_next: bool = False
     bootstrap: Bootstrap | None = None  # disaggregated serving: where this request's other half is paired
 
     @classmethod
@@ -75,10 +71,6 @@ class Req:
         """Every token whose K/V the request needs before it can sample again (a retracted request's outputs
         are recomputed with its prompt)."""
         return self.input_ids + self.output_ids
-
-    @property
-    def fill_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids) + (self.future_slot is not None)
 
     def token_ids_with_kv(self) -> list[int]:
         return self.fill_ids[: self.kv_len]

@@ -21,6 +21,7 @@ from ..config import EngineArgs
 from ..disaggregation.decode import DecodeReceiver
 from ..disaggregation.prefill import PrefillSender
 from ..distributed.spawn import Spawned
+from ..finish_reason import FinishReason
 from ..messages import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
@@ -30,7 +31,7 @@ from .memory import MemoryManager
 from .model_runner import ModelRunner, SamplingInputs, StepResult
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
-from .req import Req, bad_request
+from .req import Req
 from .rpc import SchedulerRpc
 from .transfers import TransferSteps
 
@@ -193,15 +194,15 @@ class Scheduler(SchedulerRpc, TransferSteps):
         try:
             req = Req.from_tokenized(message, self.rng.randrange(2**31), self.eos_ids)
         except Exception as error:  # noqa: BLE001 - a malformed request is answered, never allowed to stop the loop
-            self.outputs.append(ReqOutput(rid=message.rid, new_token_ids=[], finish_reason=bad_request(
-                f"request could not be queued: {type(error).__name__}: {error}", 500)))
+            self.outputs.append(ReqOutput(rid=message.rid, new_token_ids=[], finish_reason=FinishReason.internal_error(
+                f"request could not be queued: {type(error).__name__}: {error}")))
             return
         if self.prefill_sender is not None:  # the decode server samples everything after the first token
             req.params = dataclasses.replace(req.params, max_new_tokens=1)
         if req.params.grammar is None:
             self.enqueue(req)
         elif (problem := self.grammars.add(req)) is not None:
-            self.finish(req, bad_request(problem))
+            self.finish(req, FinishReason.bad_request(problem))
 
     def enqueue(self, req: Req) -> None:
         """A request ready to run: a decode server first has its prompt's K/V sent over."""
@@ -215,16 +216,16 @@ class Scheduler(SchedulerRpc, TransferSteps):
         for req in ready:
             self.enqueue(req)
         for req, problem in failed:
-            self.finish(req, bad_request(problem))
+            self.finish(req, FinishReason.bad_request(problem))
 
     def abort(self, rid: str) -> None:
         queued = self.decode_receiver.remove_queued(rid) if self.decode_receiver else []
         for req in self.grammars.remove(rid) + queued:
-            self.finish(req, {"type": "abort", "message": "aborted by request"})
+            self.finish(req, FinishReason.abort("aborted by request"))
         side = self.prefill_sender or self.decode_receiver
         for req in side.holding() if side else []:
             if req.rid == rid and not req.finished:  # its K/V are in flight: released when the transfer settles
-                self.finish(req, {"type": "abort", "message": "aborted by request"})
+                self.finish(req, FinishReason.abort("aborted by request"))
         matches = [r for r in self.waiting + self.running + [self.chunked_req] if r is not None and r.rid == rid]
         for req in matches:
             if req in self.waiting:
@@ -234,7 +235,7 @@ class Scheduler(SchedulerRpc, TransferSteps):
             self.running = [r for r in self.running if r is not req]
             if self.chunked_req is req:
                 self.chunked_req = None
-            self.finish(req, {"type": "abort", "message": "aborted by request"})
+            self.finish(req, FinishReason.abort("aborted by request"))
 
     # -- batching -------------------------------------------------------------------------------------------
 
@@ -343,9 +344,9 @@ class Scheduler(SchedulerRpc, TransferSteps):
         if req.matcher is None:
             return
         if not req.matcher.accept(token):
-            req.finish_reason = bad_request(f"the grammar rejected token {token}", status=500)
+            req.finish_reason = FinishReason.internal_error(f"the grammar rejected token {token}")
         elif req.matcher.is_terminated() and not req.finished:
-            req.finish_reason = {"type": "stop", "matched": token}
+            req.finish_reason = FinishReason.stop_token(token)
 
     def jump_forward(self, req: Req) -> bool:
         """Append the tokens the grammar forces next (which ones: jump_forward.py); the next step's extend computes
@@ -387,9 +388,9 @@ class Scheduler(SchedulerRpc, TransferSteps):
             req.input_logprobs_sent = True
         if req.params.max_new_tokens == 0:
             self.memory.release(req)
-            self.finish(req, {"type": "length", "length": 0})
+            self.finish(req, FinishReason.length(0))
 
-    def finish(self, req: Req, reason: dict[str, Any]) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         out = req.output()
         out.finish_reason = reason

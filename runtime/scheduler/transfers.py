@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .req import Req, bad_request
+from ..finish_reason import FinishReason
+from .req import Req
 
 
 class TransferSteps:
@@ -22,7 +23,7 @@ class TransferSteps:
             for req, problem in self.prefill_sender.poll():
                 self.memory.release(req)  # the prompt's K/V are intact either way: cache them
                 if problem is not None:
-                    self.finish(req, bad_request(problem, 502))
+                    self.finish(req, FinishReason.peer_failure(problem))
                 elif req.pending is not None:  # else it was aborted meanwhile and has been answered
                     self.finish(req, req.finish_reason)
         if self.decode_receiver is not None:
@@ -39,8 +40,8 @@ class TransferSteps:
         if "error" in outcome or not valid:
             self.decode_receiver.discard(req)  # what those slots hold is not this prompt's K/V
             if not req.finished:
-                self.finish(req, bad_request(f"prefill/decode KV transfer failed: {outcome.get('error', outcome)}",
-                                             502))
+                self.finish(req, FinishReason.peer_failure(
+                    f"prefill/decode KV transfer failed: {outcome.get('error', outcome)}"))
             return
         if req.finished:  # aborted while its K/V were on the way; they are good, so cache them
             self.memory.release(req)

@@ -8,9 +8,10 @@ from typing import Any
 
 import aiohttp
 
+from ..finish_reason import FinishReason
 from ..scheduler.plugins import SchedulerHandle, SchedulerPlugin
 from ..scheduler.prefill_adder import reserved_output
-from ..scheduler.req import EMPTY_SLOTS, Req, bad_request
+from ..scheduler.req import EMPTY_SLOTS, Req
 from .bootstrap import LoopThread, claim_room
 from .layout import KVLayout, kv_buffers
 from .prefill import prompt_digest
@@ -66,8 +67,8 @@ class DecodeReceiver(SchedulerPlugin):
         if "error" in outcome or not valid:
             self.discard(req)  # what those slots hold is not this prompt's K/V
             if not req.finished:
-                self.scheduler.finish(req, bad_request(
-                    f"prefill/decode KV transfer failed: {outcome.get('error', outcome)}", 502))
+                self.scheduler.finish(req, FinishReason.peer_failure(
+                    f"prefill/decode KV transfer failed: {outcome.get('error', outcome)}"))
         elif req.finished:  # aborted while its K/V were on the way; they are good, so cache them
             self.memory.release(req)
         else:

@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ..finish_reason import FinishReason
 from ..scheduler.plugins import SchedulerHandle, SchedulerPlugin
-from ..scheduler.req import Req, bad_request
+from ..scheduler.req import Req
 from .bootstrap import BootstrapServer, Claim, RoomRegistry
 from .layout import KVLayout, kv_buffers, write_list
 from .transfer import TransferError, make_agent
@@ -80,7 +81,7 @@ class PrefillSender(SchedulerPlugin):
         for req, problem in self.poll():
             self.scheduler.memory.release(req)
             if problem is not None:
-                self.scheduler.finish(req, bad_request(problem, 502))
+                self.scheduler.finish(req, FinishReason.peer_failure(problem))
             elif req.pending is not None:  # else it was aborted meanwhile and has been answered
                 self.scheduler.finish(req, req.finish_reason)
 

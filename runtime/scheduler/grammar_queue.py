@@ -12,8 +12,9 @@ import torch
 from ...grammars.auto import approximation_refused
 from ...grammars.base import allocate_bitmask
 from ...grammars.cache import GrammarCache
+from ..finish_reason import FinishReason
 from .plugins import SchedulerHandle, SchedulerPlugin
-from .req import Req, bad_request
+from .req import Req
 
 
 class GrammarQueue(SchedulerPlugin):
@@ -46,7 +47,7 @@ class GrammarQueue(SchedulerPlugin):
         if req.params.grammar is None:
             return False
         if (problem := self.add(req)) is not None:
-            self.scheduler.finish(req, bad_request(problem))
+            self.scheduler.finish(req, FinishReason.bad_request(problem))
         return True
 
     def advance(self) -> None:
@@ -54,7 +55,7 @@ class GrammarQueue(SchedulerPlugin):
         for req in ready:
             self.scheduler.enqueue(req)
         for req, problem in failed:
-            self.scheduler.finish(req, bad_request(problem))
+            self.scheduler.finish(req, FinishReason.bad_request(problem))
 
     def add(self, req: Req) -> str | None:
         """Start compiling; returns an error message when the request cannot be constrained at all."""

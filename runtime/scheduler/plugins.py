@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..cache.base import PrefixCache
     from ..config import EngineArgs
+    from ..finish_reason import FinishReason
     from .memory import MemoryManager
     from .model_runner import ModelRunner
     from .req import Req
@@ -30,7 +31,7 @@ class SchedulerHandle(Protocol):
     def enqueue(self, req: Req) -> None:
         """Hand over a request that is ready to run (it reaches the other plug-ins' take_ready first)."""
 
-    def finish(self, req: Req, reason: dict[str, Any]) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
         """Answer a request; the caller has released or kept its memory."""
 
     def start_decoding(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:

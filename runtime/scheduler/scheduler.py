@@ -19,6 +19,7 @@ from ..cache.chunk_cache import ChunkCache
 from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
 from ..distributed.spawn import Spawned
+from ..finish_reason import FinishReason
 from ..messages import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
@@ -29,7 +30,7 @@ from .model_runner import ModelRunner, SamplingInputs, StepResult
 from .plugins import SchedulerPlugin
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
-from .req import Req, bad_request
+from .req import Req
 from .rpc import SchedulerRpc
 
 logger = logging.getLogger("furcate.scheduler")
@@ -150,8 +151,8 @@ class Scheduler:
         try:
             req = Req.from_tokenized(message, self.rng.randrange(2**31), self.eos_ids)
         except Exception as error:  # noqa: BLE001 - a malformed request is answered, never allowed to stop the loop
-            self.outputs.append(ReqOutput(rid=message.rid, new_token_ids=[], finish_reason=bad_request(
-                f"request could not be queued: {type(error).__name__}: {error}", 500)))
+            self.outputs.append(ReqOutput(rid=message.rid, new_token_ids=[], finish_reason=FinishReason.internal_error(
+                f"request could not be queued: {type(error).__name__}: {error}")))
             return
         if not any(plugin.take_new(req) for plugin in self.plugins):
             self.enqueue(req)
@@ -164,10 +165,10 @@ class Scheduler:
     def abort(self, rid: str) -> None:
         for plugin in self.plugins:
             for req in plugin.remove(rid):
-                self.finish(req, {"type": "abort", "message": "aborted by request"})
+                self.finish(req, FinishReason.abort("aborted by request"))
             for req in plugin.holding():
                 if req.rid == rid and not req.finished:  # its memory is released when the plug-in settles it
-                    self.finish(req, {"type": "abort", "message": "aborted by request"})
+                    self.finish(req, FinishReason.abort("aborted by request"))
         matches = [r for r in self.waiting + self.running + [self.chunked_req] if r is not None and r.rid == rid]
         for req in matches:
             if req in self.waiting:
@@ -177,7 +178,7 @@ class Scheduler:
             self.running = [r for r in self.running if r is not req]
             if self.chunked_req is req:
                 self.chunked_req = None
-            self.finish(req, {"type": "abort", "message": "aborted by request"})
+            self.finish(req, FinishReason.abort("aborted by request"))
 
     # -- batching -------------------------------------------------------------------------------------------
 
@@ -283,9 +284,9 @@ class Scheduler:
         if req.matcher is None:
             return
         if not req.matcher.accept(token):
-            req.finish_reason = bad_request(f"the grammar rejected token {token}", status=500)
+            req.finish_reason = FinishReason.internal_error(f"the grammar rejected token {token}")
         elif req.matcher.is_terminated() and not req.finished:
-            req.finish_reason = {"type": "stop", "matched": token}
+            req.finish_reason = FinishReason.stop_token(token)
 
     def jump_forward(self, req: Req) -> bool:
         """Append the tokens the grammar forces next (which ones: jump_forward.py); the next step's extend computes
@@ -327,7 +328,7 @@ class Scheduler:
             req.input_logprobs_sent = True
         if req.params.max_new_tokens == 0:
             self.memory.release(req)
-            self.finish(req, {"type": "length", "length": 0})
+            self.finish(req, FinishReason.length(0))
 
     def start_decoding(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         """A request whose prompt K/V were computed elsewhere (a prefill server) joins the running batch."""
@@ -342,7 +343,7 @@ class Scheduler:
         self.outputs.append(req.pending)  # the first token goes out now, not with the next step's
         req.pending = None
 
-    def finish(self, req: Req, reason: dict[str, Any]) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         out = req.output()
         out.finish_reason = reason

@@ -16,8 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from furcate import Engine
 from furcate.runtime.model.default_model import prepare_default_model
 from furcate.runtime.server.server_process import ServerProcess
-
-from .tiny_models import CONFIGS, build_tiny_model
+from tiny_models import CONFIGS, build_tiny_model
 
 ARCHS = sorted(CONFIGS)
 # Engine arguments of every test that compares with HF transformers in float32 (dtype auto would pick bfloat16

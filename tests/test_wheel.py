@@ -154,15 +154,18 @@ def test_the_installed_wheel_runs_engine_program_and_server(venv, default_model_
     assert response.json()["text"] == result["direct"]
 
 
-def canonical_name(path: Path) -> str:
+def canonical_name(path: Path) -> str | None:
     """The one name a module of the checkout may be imported under: furcate.<dotted path> for the package, the
-    bare name for the test helpers (tests/ is on sys.path), benchmarks.<name> for the benchmarks."""
+    bare name for the test helpers (tests/ is on sys.path), benchmarks.<name> for the benchmarks; None for the
+    files that no test imports (examples run as scripts, setup.py)."""
     parts = path.relative_to(CHECKOUT).with_suffix("").parts
     parts = parts[:-1] if parts[-1] == "__init__" else parts
     if parts[:1] == ("tests",):
         return ".".join(parts[1:])
     if parts[:1] == ("benchmarks",):
         return ".".join(parts)
+    if parts[:1] in {(name,) for name in NOT_SHIPPED} or parts == ("setup",):
+        return None
     return ".".join(("furcate", *parts))
 
 

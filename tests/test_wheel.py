@@ -84,8 +84,9 @@ def clean_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
-def run(command: list[str], **kwargs) -> str:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=clean_environment(), **kwargs)
+def run(command: list[str], cwd: Path) -> str:
+    """The command's stdout, run outside the checkout (`python -m` puts the working folder on sys.path)."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=clean_environment(), cwd=cwd)
     assert done.returncode == 0, f"{command[:4]} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -99,7 +100,7 @@ def wheel(tmp_path_factory) -> Path:
     source = root / "source"
     shutil.copytree(CHECKOUT, source, ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__"))
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation",
-         "-w", str(root / "dist"), str(source)])
+         "-w", str(root / "dist"), str(source)], cwd=root)
     (built,) = (root / "dist").glob("furcate-*.whl")
     return built
 
@@ -111,13 +112,13 @@ def venv(tmp_path_factory, wheel) -> Path:
     appended to sys.path (the .pth files inside them do not run), so this environment's editable install of the
     checkout stays inactive there."""
     venv = tmp_path_factory.mktemp("venv")
-    run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=venv)
     python = str(venv / "bin" / "python")
-    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
+    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=venv).strip())
     (purelib / "reused_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     # --ignore-installed: the editable install's metadata is visible there too, and is neither this install's
     # business nor to be uninstalled.
-    run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)])
+    run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)], cwd=venv)
     return venv
 
 

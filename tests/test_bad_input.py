@@ -6,9 +6,8 @@ import json
 
 import pytest
 
+from conftest import EXACT, NO_GRAMMAR
 from furcate import EngineArgs
-
-from .conftest import EXACT, NO_GRAMMAR
 
 GOOD = {"max_new_tokens": 4, "temperature": 0}
 

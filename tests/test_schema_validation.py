@@ -10,13 +10,12 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 import requests
 
+from conftest import EXACT, TINY_POOL_TOKENS, assert_pool_free
 from furcate import Engine
 from furcate.grammars.spec import ANY_JSON
 from furcate.runtime.finish_reason import FinishReason
 from furcate.runtime.request_state import cut_by
 from furcate.runtime.schema_check import SchemaChecker
-
-from .conftest import EXACT, TINY_POOL_TOKENS, assert_pool_free
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
           "required": ["name", "age"]}

@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from .conftest import assert_server_pool_free
+from conftest import assert_server_pool_free
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 

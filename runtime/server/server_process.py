@@ -63,12 +63,15 @@ def _url_host(host: str) -> str:
 
 
 class ServerProcess:
-    """`python -m furcate serve` in a child process; `.url` once it printed its ready line."""
+    """`python -m furcate serve` in a child process; `.url` once it printed its ready line. `launcher` is the
+    command that runs furcate's CLI: by default this interpreter's furcate, or another environment's `furcate`
+    console script."""
 
     def __init__(self, model_path: str = "default", engine_args: dict[str, Any] | None = None,
                  host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 extra_args: tuple[str, ...] = (), startup_timeout: float = 600.0) -> None:
-        command = [sys.executable, "-m", "furcate", "serve", "--model-path", model_path, "--host", host,
+                 extra_args: tuple[str, ...] = (), startup_timeout: float = 600.0,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "furcate")) -> None:
+        command = [*launcher, "serve", "--model-path", model_path, "--host", host,
                    "--port", str(port), *cli_flags(engine_args or {}), *extra_args]
         if api_key is not None:
             command += ["--api-key", api_key]

@@ -22,7 +22,9 @@ registry.register_names("router_policy", ("cache_aware", "round_robin", "power_o
 registry.register("disaggregation_mode", "null")  # serving whole requests: no scheduler plug-in
 registry.register("disaggregation_mode", "prefill", "furcate.runtime.disaggregation.prefill:PrefillSender")
 registry.register("disaggregation_mode", "decode", "furcate.runtime.disaggregation.decode:DecodeReceiver")
-registry.register_names("disaggregation_transfer_backend", ("mooncake", "nixl"))
+registry.register("disaggregation_transfer_backend", "mooncake",
+                  "furcate.runtime.disaggregation.transfer:MooncakeAgent")
+registry.register("disaggregation_transfer_backend", "nixl", "furcate.runtime.disaggregation.nixl_agent:NixlAgent")
 ENGINE_CHOICE_FIELDS = ("dtype", "quantization", "schedule_policy", "grammar_backend", "disaggregation_mode",
                         "disaggregation_transfer_backend")
 

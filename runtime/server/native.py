@@ -7,7 +7,7 @@ import dataclasses
 
 from aiohttp import web
 
-from ... import __version__
+from ...version import __version__
 from ..engine import Engine
 from .errors import ApiError, check_fields, read_json_object
 from .keys import ENGINE, METRICS, SETTINGS

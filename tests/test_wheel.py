@@ -170,11 +170,19 @@ def canonical_name(path: Path) -> str | None:
     return ".".join(("furcate", *parts))
 
 
+def in_checkout_source(path: Path) -> bool:
+    """A file of the checkout's own source: not of a virtual environment made inside the clone (as the README's
+    commands make .venv), nor of any other hidden folder."""
+    if not path.is_relative_to(CHECKOUT) or path.is_relative_to(Path(sys.prefix).resolve()):
+        return False
+    return not path.relative_to(CHECKOUT).parts[0].startswith(".")
+
+
 def test_no_module_of_the_checkout_is_imported_under_a_second_name():
     """By now pytest has imported every collected test module and what they import."""
     # Relative __file__ values name no file (torch.ops says "_ops.py").
     of_checkout = {name: Path(module.__file__).resolve() for name, module in list(sys.modules.items())
                    if os.path.isabs(getattr(module, "__file__", None) or "") and name != "__main__"
-                   and Path(module.__file__).resolve().is_relative_to(CHECKOUT)}
+                   and in_checkout_source(Path(module.__file__).resolve())}
     assert __name__ in of_checkout  # this very module: the check sees the test modules
     assert {name: str(path) for name, path in of_checkout.items() if name != canonical_name(path)} == {}

@@ -11,6 +11,7 @@ decode on 2 CPU cores. Random weights answer nothing right, so the programs' own
   program must still end cleanly (its own assertion about the answer may fail, nothing else may), and its greedy
   `gen` calls must give exactly the text HF transformers generates greedily on the same prompt and weights.
 
+`test_stream_logprobs` may fail only on its client's own race (see RACY_PROGRAMS).
 `test_select` and `test_parallel_encoding` run with `check_answer=False` (SGLang's own switch for their
 content checks). Not run: `test_image_qa` (needs a vision model); `test_completion_speculative` and
 `test_chat_completion_speculative` (API speculative execution, written for OpenAI-style backends: they read
@@ -39,7 +40,7 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint  # noqa: E402 (
 PROGRAM_TIMEOUT_S = 300  # a hang guard: a program that has not ended by then hangs
 # Programs whose every assertion holds on any model: they check the protocol and the grammar path.
 PROTOCOL_PROGRAMS: dict[str, dict] = {
-    "test_mt_bench": {}, "test_stream": {}, "test_stream_logprobs": {}, "test_parallel_decoding": {},
+    "test_mt_bench": {}, "test_stream": {}, "test_parallel_decoding": {},
     "test_regex": {}, "test_dtype_gen": {}, "test_select": {"check_answer": False},
     "test_parallel_encoding": {"check_answer": False},
 }
@@ -48,6 +49,12 @@ CONTENT_PROGRAMS: dict[str, dict] = {
     "test_few_shot_qa": {}, "test_decode_int": {}, "test_decode_json_regex": {}, "test_decode_json": {},
     "test_expert_answer": {}, "test_tool_use": {}, "test_react": {},
 }
+# test_stream_logprobs checks each chunk's new logprob entries against the change in completion_tokens. Its
+# client reads only the latest chunk's meta_info when it wakes: if two chunks arrived meanwhile (a fast server),
+# the first one's entries are never seen, and that comparison fails with nothing wrong on the wire
+# (test_server_native checks the same counts on the raw stream). Every other assertion in it must hold.
+RACY_PROGRAMS: dict[str, dict] = {"test_stream_logprobs": {}}
+RACY_ASSERTION = "assert len(chunk_output_token_logprobs) =="
 # Programs with greedy unconstrained gens, compared with HF.
 HF_COMPARED = ("test_few_shot_qa", "test_tool_use", "test_parallel_encoding")
 SGLANG_DIR = Path(sglang.__file__).parent
@@ -143,7 +150,7 @@ def runs(tiny_server) -> dict[str, ProgramRun]:
     endpoint = RecordingEndpoint(tiny_server.url)
     sglang.set_default_backend(endpoint)
     try:
-        programs = {**PROTOCOL_PROGRAMS, **CONTENT_PROGRAMS}
+        programs = {**PROTOCOL_PROGRAMS, **RACY_PROGRAMS, **CONTENT_PROGRAMS}
         yield {name: run_program(endpoint, name, kwargs) for name, kwargs in programs.items()}
     finally:
         sglang.set_default_backend(None)
@@ -162,6 +169,15 @@ def test_content_program_ends_without_protocol_error(runs, name):
     """Its own assertion about the answer may fail on random weights; no request, stream or variable may."""
     run = runs[name]
     assert run.protocol_failure() is None, run.protocol_failure()
+
+
+@pytest.mark.parametrize("name", sorted(RACY_PROGRAMS))
+def test_racy_program_fails_at_most_on_the_clients_race(runs, name):
+    run = runs[name]
+    assert run.protocol_failure() is None, run.protocol_failure()
+    if run.error is not None:
+        failing_line = traceback.extract_tb(run.error.__traceback__)[-1].line
+        assert isinstance(run.error, AssertionError) and failing_line.startswith(RACY_ASSERTION), run.traceback()
 
 
 def hf_greedy_text(hf_model, tokenizer, gen: GreedyGen) -> str:

@@ -118,8 +118,13 @@ class ProgramRun:
 
 
 def raised_through_client(error: BaseException) -> bool:
+    """Whether the client or its transport raised it, rather than the program's own code (its assertion, or the
+    eval of an answer): only the frames below the program's last line count, since every program runs inside the
+    client's interpreter."""
     frames = traceback.extract_tb(error.__traceback__)
-    return any(part in frame.filename for frame in frames for part in CLIENT_CODE)
+    program_frames = [i for i, frame in enumerate(frames) if frame.filename == test_programs.__file__]
+    below_program = frames[program_frames[-1] + 1:] if program_frames else frames
+    return any(part in frame.filename for frame in below_program for part in CLIENT_CODE)
 
 
 def run_program(endpoint: RecordingEndpoint, name: str, kwargs: dict) -> ProgramRun:

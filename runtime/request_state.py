@@ -118,6 +118,8 @@ class RequestState:
         if self.req.return_logprob:
             meta["input_token_logprobs"] = logprobs.get("input_token_logprobs", [])
             meta["output_token_logprobs"] = logprobs.get("output_token_logprobs", [])
+            # SGLang's running count beside a stream's incremental entries (the same in a whole result)
+            meta["output_token_logprobs_length"] = len(self.logprobs.get("output_token_logprobs", []))
             if self.req.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = logprobs.get("input_top_logprobs", [])
                 meta["output_top_logprobs"] = logprobs.get("output_top_logprobs", [])

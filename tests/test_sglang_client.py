@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import assert_server_pool_free
+from conftest import assert_server_pool_free
 
 sglang = pytest.importorskip("sglang", reason="sglang is not installed (test-only: pip install --no-deps "
                                               "sglang==0.5.23, see README.md)")

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_server_pool_free
+from conftest import TINY_POOL_TOKENS, assert_server_pool_free
+from furcate.runtime.server.server_process import ServerProcess
 
 sglang = pytest.importorskip("sglang", reason="sglang is not installed (test-only: pip install --no-deps "
                                               "sglang==0.5.23, see README.md)")
@@ -150,16 +151,26 @@ def run_program(endpoint: RecordingEndpoint, name: str, kwargs: dict) -> Program
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_server) -> dict[str, ProgramRun]:
+def long_context_server(tiny_model_dirs):
+    """The tiny llama served with a context longer than its config's 1024 tokens: test_parallel_decoding samples
+    (temperature 0.3) five tips and their paragraphs, then asks for 512 more tokens, which can pass 1024, and such
+    a request is refused (as SGLang refuses it), which is no protocol failure but would fail the program."""
+    with ServerProcess(str(tiny_model_dirs["llama"]), {"max_total_tokens": TINY_POOL_TOKENS, "context_length": 4096,
+                                                       "torch_num_threads": 2, "dtype": "float32"}) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def runs(long_context_server) -> dict[str, ProgramRun]:
     """Every program once, in turn, through one client as SGLang's own tests use it (the default backend)."""
-    endpoint = RecordingEndpoint(tiny_server.url)
+    endpoint = RecordingEndpoint(long_context_server.url)
     sglang.set_default_backend(endpoint)
     try:
         programs = {**PROTOCOL_PROGRAMS, **RACY_PROGRAMS, **CONTENT_PROGRAMS}
         yield {name: run_program(endpoint, name, kwargs) for name, kwargs in programs.items()}
     finally:
         sglang.set_default_backend(None)
-    assert_server_pool_free(tiny_server.url)
+    assert_server_pool_free(long_context_server.url)
 
 
 @pytest.mark.parametrize("name", sorted(PROTOCOL_PROGRAMS))

@@ -31,6 +31,8 @@ class RequestState:
         self.created = time.perf_counter()
         # Timing for the server's metrics: when the first output token arrived, and the seconds per token
         # between later arrivals (one sample per output chunk: a jump-forward chunk spreads over its tokens).
+        # A request nobody streams gets two chunks: its first tokens at once, the rest when it ends, so its one
+        # sample is its mean time per token after the first.
         self.first_token_at: float | None = None
         self.inter_token_latencies: list[float] = []
         self.last_token_at = 0.0
@@ -45,7 +47,8 @@ class RequestState:
         return self.finish_reason is not None
 
     def apply(self, out: ReqOutput) -> None:
-        """Fold one scheduler output in, then hand the incremental chunk to the sink."""
+        """Fold one scheduler output in, then hand the sink the incremental chunk (a streamed request) or, once
+        finished, the whole result (a request nobody streams: its sink gets that one item, or an error)."""
         self._time_tokens(len(out.new_token_ids))
         self.output_ids.extend(out.new_token_ids)
         self.finish_reason = out.finish_reason or self.finish_reason
@@ -60,7 +63,10 @@ class RequestState:
             return
         if self.schema is not None and self.schema_checker is not None and out.finish_reason is not None:
             self._check_schema()
-        self.sink(self._chunk(new_logprobs))
+        if self.req.stream:
+            self.sink(self._chunk(new_logprobs))
+        elif self.finished:  # nobody reads a partial result: no decode, no chunk until the whole one
+            self.sink(self.result())
 
     def _check_schema(self) -> None:
         if self.finish_reason["type"] not in ("stop", "length"):  # aborted: no finished output to judge

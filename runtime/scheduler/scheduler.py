@@ -330,9 +330,8 @@ class Scheduler(SchedulerRpc, TransferSteps):
         self.running = [r for r in self.running if not r.finished]
         self.waiting = [r for r in self.waiting if not r.finished]
         for req in self.running:
-            if req.pending is not None:
-                self.outputs.append(req.pending)
-                req.pending = None
+            if (out := req.output_due()) is not None:
+                self.outputs.append(out)
 
     def take_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         req.append_token(token, self.decode_tail, self.runner.context_length)

@@ -53,5 +53,5 @@ class TransferSteps:
             self.finish(req, req.finish_reason)
             return
         self.running.append(req)
-        self.outputs.append(req.pending)  # the first token goes out now, not with the next step's
-        req.pending = None
+        if (out := req.output_due()) is not None:  # the first token goes out now, not with the next step's
+            self.outputs.append(out)

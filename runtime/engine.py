@@ -139,8 +139,9 @@ class Engine:
                              bootstrap_port: int | None = None, bootstrap_room: int | None = None):
         """Async twin of generate(); with stream=True returns an async iterator of chunks."""
         _deadline(timeout, stream)
+        bootstrap = _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room)
         build_args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, rid,
-                      stream, return_text_in_logprobs, _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room))
+                      stream, return_text_in_logprobs, bootstrap)
         if prompt is None:  # token ids: nothing slow to do
             reqs, single = self.builder.build(*build_args)
         else:  # tokenizing a long prompt must not stall every other coroutine on this loop (fast tokenizers

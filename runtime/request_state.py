@@ -31,8 +31,8 @@ class RequestState:
         self.created = time.perf_counter()
         # Timing for the server's metrics: when the first output token arrived, and the seconds per token
         # between later arrivals (one sample per output chunk: a jump-forward chunk spreads over its tokens).
-        # A request nobody streams gets two chunks: its first tokens at once, the rest when it ends, so its one
-        # sample is its mean time per token after the first.
+        # A request nobody streams gets two chunks, its first tokens at once and the rest when it ends: each of
+        # those later tokens is one sample of its mean time per token after the first.
         self.first_token_at: float | None = None
         self.inter_token_latencies: list[float] = []
         self.last_token_at = 0.0
@@ -88,7 +88,8 @@ class RequestState:
         if self.first_token_at is None:
             self.first_token_at = now
         else:
-            self.inter_token_latencies.append((now - self.last_token_at) / count)
+            samples = 1 if self.req.stream else count  # unstreamed, the tokens of one chunk came in steps of their own
+            self.inter_token_latencies.extend([(now - self.last_token_at) / count] * samples)
         self.last_token_at = now
 
     def fail(self, error: Exception) -> None:

@@ -7,8 +7,10 @@ before and after a change:
   after     this checkout, requests not streamed
   streamed  this checkout, the same requests streamed and read to the end (the per-step path streams keep)
 CPU is counted apart for the engine's process (caller and receiver threads: time.process_time()) and the scheduler
-process (/proc/<pid>/stat utime + stime); both exclude start-up and a warm-up call. Every arm's greedy outputs must
-be the same tokens and text, or the run fails.
+process (/proc/<pid>/stat utime + stime); both exclude start-up and a warm-up call. Each round of each arm is a
+fresh process and the arms take turns; the report gives medians. Every arm's greedy outputs must be the same tokens
+and text, or the run fails. On a loaded machine the scheduler's CPU is noisy (its torch threads spin while a peer
+is descheduled); the engine's is not.
 
     python -m furcate.benchmarks.engine_overhead [--before /path/to/main/checkout] [--rounds 3]
 """
@@ -76,24 +78,21 @@ async def generate_all(engine, texts: list[str], stream: bool) -> list[list[int]
     return list(await asyncio.gather(*(one(text) for text in texts)))
 
 
-def run_arm(model_dir: str, requests: int, rounds: int, stream: bool, threads: int) -> dict:
+def run_arm(model_dir: str, requests: int, stream: bool, threads: int) -> dict:
     from furcate import Engine
 
     texts = prompts(requests, seed=0)
     with Engine(model_dir, dtype="float32", quantization="none", grammar_backend="none", torch_num_threads=threads,
                 max_total_tokens=requests * 200, max_running_requests=requests) as engine:
         asyncio.run(generate_all(engine, texts[:4], stream))  # warm-up: first-call costs are not per token
-        measured, outputs = [], []
-        for _ in range(rounds):
-            assert engine.flush_cache()  # every round prefills the same prompts from scratch
-            cpu, scheduler, wall = (time.process_time(), process_cpu_seconds(engine._process.pid),
-                                    time.perf_counter())
-            outputs = asyncio.run(generate_all(engine, texts, stream))
-            measured.append(Round(sum(map(len, outputs)), time.perf_counter() - wall, time.process_time() - cpu,
-                                  process_cpu_seconds(engine._process.pid) - scheduler))
+        assert engine.flush_cache()  # the measured round prefills every prompt from scratch
+        cpu, scheduler, wall = time.process_time(), process_cpu_seconds(engine._process.pid), time.perf_counter()
+        outputs = asyncio.run(generate_all(engine, texts, stream))
+        measured = Round(sum(map(len, outputs)), time.perf_counter() - wall, time.process_time() - cpu,
+                         process_cpu_seconds(engine._process.pid) - scheduler)
         texts_out = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
     digest = hashlib.sha256(json.dumps([outputs, texts_out]).encode()).hexdigest()
-    return {"rounds": [asdict(r) for r in measured], "outputs_sha256": digest}
+    return {"round": asdict(measured), "outputs_sha256": digest}
 
 
 # -- the comparison ----------------------------------------------------------------------------------------------
@@ -107,8 +106,9 @@ def furcate_path(checkout: pathlib.Path, scratch: pathlib.Path, label: str) -> s
 
 
 def spawn_arm(pythonpath: str, args: argparse.Namespace, model_dir: str, stream: bool) -> dict:
+    """One measured round of one arm, in a fresh process."""
     command = [sys.executable, str(HERE), "--arm", "--model-dir", model_dir, "--requests", str(args.requests),
-               "--rounds", str(args.rounds), "--threads", str(args.threads)] + (["--stream"] if stream else [])
+               "--threads", str(args.threads)] + (["--stream"] if stream else [])
     done = subprocess.run(command, env=dict(os.environ, PYTHONPATH=pythonpath), capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:
@@ -116,15 +116,17 @@ def spawn_arm(pythonpath: str, args: argparse.Namespace, model_dir: str, stream:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def summary(arm: dict) -> dict:
-    rounds = [Round(**r) for r in arm["rounds"]]
+def summary(runs: list[dict]) -> dict:
+    if len({run["outputs_sha256"] for run in runs}) != 1:
+        raise RuntimeError("one arm generated different outputs in different rounds")
+    rounds = [Round(**run["round"]) for run in runs]
     return {
         "tokens_per_round": rounds[0].tokens,
         "engine_us_per_token": statistics.median(r.engine_us_per_token for r in rounds),
         "scheduler_us_per_token": statistics.median(r.scheduler_us_per_token for r in rounds),
         "wall_seconds": statistics.median(r.wall_seconds for r in rounds),
-        "rounds": arm["rounds"],
-        "outputs_sha256": arm["outputs_sha256"],
+        "rounds": [run["round"] for run in runs],
+        "outputs_sha256": runs[0]["outputs_sha256"],
     }
 
 
@@ -152,12 +154,15 @@ def compare(args: argparse.Namespace) -> dict:
         scratch = pathlib.Path(scratch_name)
         model_dir = build_model(scratch)
         after = furcate_path(after_checkout, scratch, "after")
-        arms = {}
+        plan = {"after": (after, False), "streamed": (after, True)}
         if args.before:
-            arms["before"] = summary(spawn_arm(furcate_path(pathlib.Path(args.before), scratch, "before"), args,
-                                               model_dir, stream=False))
-        arms["after"] = summary(spawn_arm(after, args, model_dir, stream=False))
-        arms["streamed"] = summary(spawn_arm(after, args, model_dir, stream=True))
+            plan = {"before": (furcate_path(pathlib.Path(args.before), scratch, "before"), False), **plan}
+        runs: dict[str, list[dict]] = {name: [] for name in plan}
+        # The arms take turns, one round each, so a change in the machine's load falls on all of them alike.
+        for _ in range(args.rounds):
+            for name, (pythonpath, stream) in plan.items():
+                runs[name].append(spawn_arm(pythonpath, args, model_dir, stream))
+    arms = {name: summary(done) for name, done in runs.items()}
     digests = {name: arm["outputs_sha256"] for name, arm in arms.items()}
     if len(set(digests.values())) != 1:
         raise RuntimeError(f"the arms generated different outputs: {digests}")
@@ -193,7 +198,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="a furcate checkout to compare against (e.g. the main branch's)")
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per arm, the arms taking turns")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the scheduler")
     parser.add_argument("--output", default=str(HERE.parent / "results" / "engine_overhead.json"))
     parser.add_argument("--arm", action="store_true", help=argparse.SUPPRESS)  # internal: run one arm here
@@ -205,7 +210,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.arm:
-        print(json.dumps(run_arm(args.model_dir, args.requests, args.rounds, args.stream, args.threads)))
+        print(json.dumps(run_arm(args.model_dir, args.requests, args.stream, args.threads)))
         return
     report = compare(args)
     print_report(report)

@@ -39,8 +39,8 @@ from .lang import (
     user_end,
     video,
 )
+from .version import __version__ as __version__  # the public `furcate.__version__`
 
-__version__ = "0.1.0"
 __all__ = [
     "Backend", "Engine", "EngineArgs", "Function", "LocalBackend", "OpenAI", "ProgramError", "ProgramState",
     "ProgramStateGroup", "Runtime", "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end",

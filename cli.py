@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from . import __version__
+from .version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .runtime.config import EngineArgs, ServerArgs, from_cli_args
-    from .runtime.server.server_process import serve
+    from .runtime.server.serve import serve
 
     try:
         engine_args, server_args = EngineArgs.from_cli_args(args), from_cli_args(ServerArgs, args)

@@ -11,7 +11,7 @@ Measured, on one CUDA device:
 Aims (issue 14): >= 70% of bandwidth at batch 1 with graphs; overlap ahead of plain at batch 64.
 
 Run on a GPU machine: benchmarks/gpu_check.sh (which also runs the GPU tests and prints one table), or
-`python -m furcate.benchmarks.gpu --tokenizer DIR --out DIR`. Writes gpu.json and gpu.md under --out.
+`python -m benchmarks.gpu --tokenizer DIR --out DIR`. Writes gpu.json and gpu.md under --out.
 """
 
 from __future__ import annotations

@@ -58,15 +58,14 @@ fi
 export FURCATE_TOKENIZER_DIR=$root/.gpu/tokenizer PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
-cd /tmp/furcate-pkg
 set +e
 tests=()
 for name in test_gpu test_flashinfer_backend test_triton_attention; do
-  [ -f "furcate/tests/$name.py" ] && tests+=("furcate/tests/$name.py")
+  [ -f "tests/$name.py" ] && tests+=("tests/$name.py")
 done
 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" --junitxml "$out/gpu-tests.xml" 2>&1 |
   tee "$out/gpu-tests.log" | tail -30
-python3 -m furcate.benchmarks.gpu --tokenizer "$FURCATE_TOKENIZER_DIR" --out "$out" > "$out/gpu-bench.log" 2>&1
+python3 -m benchmarks.gpu --tokenizer "$FURCATE_TOKENIZER_DIR" --out "$out" > "$out/gpu-bench.log" 2>&1
 bench=$?
 set -e
 tail -5 "$out/gpu-bench.log"

@@ -4,7 +4,7 @@ Both systems get identical token ids, the same weights, the same torch thread co
 requested number of tokens per request (EOS never stops them). Only requested output tokens count as useful,
 so HF's static batches pay for the padding and the surplus tokens their shared max_new_tokens forces.
 
-    python -m furcate.benchmarks.offline_throughput [--num-prompts 64] [--hf-batch-size 16] [--threads 2]
+    python -m benchmarks.offline_throughput [--num-prompts 64] [--hf-batch-size 16] [--threads 2]
 """
 
 from __future__ import annotations

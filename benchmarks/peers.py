@@ -11,7 +11,7 @@ embedded GGUF's weights dequantized, so all three systems hold the same numbers.
 low-level API (peer_llama_cpp.py) and shares each group's system prompt through its KV cells; HF runs static
 left-padded batches of 16 without prefix sharing, in float32 and bfloat16 only (it has no Q4_1 kernels).
 
-    python -m furcate.benchmarks.peers [--threads 2] [--precisions float32,bfloat16,quantized]
+    python -m benchmarks.peers [--threads 2] [--precisions float32,bfloat16,quantized]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import sys
 import time
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]  # where `python -m benchmarks.peers` resolves
 BENCH_CACHE = pathlib.Path(os.environ.get("FURCATE_CACHE") or "~/.cache/furcate").expanduser() / "bench"
 SYSTEMS = ("furcate", "llama.cpp", "hf")
 PRECISIONS = {
@@ -197,8 +198,8 @@ def run_worker(system: str, precision: str, threads: int, workloads_file: pathli
     spec = {"system": system, "precision": precision, "threads": threads, "workloads": str(workloads_file),
             "output": str(output), "gguf": gguf}
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "furcate.benchmarks.peers", "--worker", json.dumps(spec)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "benchmarks.peers", "--worker", json.dumps(spec)], check=True,
+                   cwd=REPOSITORY_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     result = json.loads(output.read_text())
     print(f"  {system} {precision}: done in {time.perf_counter() - started:.0f}s", flush=True)
     return result

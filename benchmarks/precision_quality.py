@@ -5,7 +5,7 @@ those same token sequences: greedy agreement (the share of output positions befo
 first differs) and the mean absolute difference of the logprob it gives each reference token (teacher forced,
 so one early divergence does not count twice).
 
-    python -m furcate.benchmarks.precision_quality [--prompts 16] [--tokens 64] [--threads 2]
+    python -m benchmarks.precision_quality [--prompts 16] [--tokens 64] [--threads 2]
 """
 
 from __future__ import annotations

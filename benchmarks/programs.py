@@ -15,7 +15,7 @@ Each kind runs on three sides with the same text, token budgets and greedy decod
 Prints wall seconds, programs/s, speedups (time_a / time_F, time_b / time_F) and furcate's cache hit rate,
 and writes benchmarks/results/programs.{json,md}. Needs the bench extra: pip install -e '.[bench]'.
 
-    python benchmarks/programs.py [--quick] [--kinds select,tree,chat] [--sides F,a,b]
+    python -m benchmarks.programs [--quick] [--kinds select,tree,chat] [--sides F,a,b]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ sum(cached_tokens) / sum(prompt_tokens) from the responses' meta_info, and the r
 Results merge into benchmarks/results/scale_out.{json,md} (scale_out_quick.* with --quick) by section, so
 running one section keeps the others' last results.
 
-    python benchmarks/scale_out.py [--quick] [--sections dp]
+    python -m benchmarks.scale_out [--quick] [--sections dp]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass
 
 import requests
 
-from furcate.benchmarks.scale_out_pd import pd_markdown, run_pd
-from furcate.benchmarks.serving import (
+from benchmarks.scale_out_pd import pd_markdown, run_pd
+from benchmarks.serving import (
     RESULTS,
     CpuMeter,
     FurcateServer,
@@ -59,7 +59,7 @@ from furcate.benchmarks.serving import (
     summarize,
     wait_until_idle,
 )
-from furcate.benchmarks.shared_prefix import oracle_hit_rate
+from benchmarks.shared_prefix import oracle_hit_rate
 from furcate.runtime.server.server_process import ServerProcess
 
 # -- dp: data parallelism behind sglang-router ------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import requests
 
-from furcate.benchmarks.serving import (
+from benchmarks.serving import (
     CpuMeter,
     FurcateServer,
     Mode,

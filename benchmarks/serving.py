@@ -19,7 +19,7 @@ Metrics per run: requests/s, output tokens/s (tokens as the server counts them),
 latency (gaps between streamed chunks), time per output token, end-to-end latency, and the ratio of output tok/s
 to the offline Engine's on the same workload. Writes benchmarks/results/serving.{json,md}.
 
-    python benchmarks/serving.py [--quick] [--systems furcate-offline,furcate-server,llama.cpp]
+    python -m benchmarks.serving [--quick] [--systems furcate-offline,furcate-server,llama.cpp]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ outputs are short. Prompts are interleaved across groups, so the scheduler (not 
 the sharing. Reports throughput for both, their ratio, the measured cache hit rate, and the hit rate of an
 oracle that computes every unique prefix token exactly once.
 
-    python benchmarks/shared_prefix.py [--groups 8] [--prompts-per-group 16] [--system-len 1024]
+    python -m benchmarks.shared_prefix [--groups 8] [--prompts-per-group 16] [--system-len 1024]
 """
 
 from __future__ import annotations

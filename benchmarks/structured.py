@@ -14,7 +14,7 @@ the repository) and the default model.
 4. Peer: the same schemas and prompts through outlines 1.x on HF transformers (same weights and threads, one
    request at a time as its users run it) and through furcate: output tokens/s and validity.
 
-    python benchmarks/structured.py [--compliance-schemas 96] [--sections coverage compliance cost peer]
+    python -m benchmarks.structured [--compliance-schemas 96] [--sections coverage compliance cost peer]
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ import time
 
 from transformers import AutoTokenizer
 
-from furcate import Engine
-from furcate.benchmarks.jsonschemabench import BENCH, load_cases
-from furcate.benchmarks.offline_throughput import CpuMeter
-from furcate.benchmarks.structured_grammars import (
+from benchmarks.jsonschemabench import BENCH, load_cases
+from benchmarks.offline_throughput import CpuMeter
+from benchmarks.structured_grammars import (
     measure_compliance,
     measure_coverage,
     schema_prompt,
     validation_error,
 )
+from furcate import Engine
 from furcate.grammars.base import GrammarSpec
 from furcate.grammars.cache import make_backend
 from furcate.runtime.model.default_model import prepare_default_model
@@ -126,7 +126,7 @@ def cost_ratios(rows: list[dict]) -> dict:
 def measure_peer(tokenizer, cases: dict[str, dict], names: list[str], threads: int, max_new_tokens: int) -> dict:
     """furcate (auto) and outlines on the same schemas and prompts: furcate as a batch and one request at a time,
     outlines one at a time (it has no batching of different schemas); tokens/s and validity for each."""
-    from furcate.benchmarks.outlines_peer import (
+    from benchmarks.outlines_peer import (
         run_outlines,  # outlines is a bench extra
     )
 

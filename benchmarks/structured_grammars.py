@@ -12,8 +12,8 @@ import jsonschema
 import referencing
 import referencing.exceptions
 
+from benchmarks.jsonschemabench import cached_encoder, judge
 from furcate import Engine
-from furcate.benchmarks.jsonschemabench import cached_encoder, judge
 from furcate.grammars.base import GrammarSpec
 from furcate.grammars.cache import make_backend
 from furcate.runtime.scheduler.grammar_queue import percentile

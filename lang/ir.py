@@ -170,6 +170,10 @@ class CommitPrefix(Expr):
         return "commit of the shared prefix"
 
 
+class StopTracing(Exception):
+    """Tracing (tracing.py) met something it cannot know: an argument's value, a generated variable."""
+
+
 @dataclass(frozen=True)
 class Argument(Expr):
     """A program argument during tracing: its value is unknown, so the constant prefix ends here."""
@@ -177,8 +181,6 @@ class Argument(Expr):
     name: str
 
     def __str__(self) -> str:
-        from .tracing import StopTracing
-
         raise StopTracing(f"argument {self.name!r} used as text")
 
     def __format__(self, spec: str) -> str:

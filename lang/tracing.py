@@ -10,12 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .building import BuildingMethods
-from .ir import Argument, Concat, Constant, Expr, RoleBegin, RoleEnd, as_expr
+from .ir import Argument, Concat, Constant, Expr, RoleBegin, RoleEnd, StopTracing, as_expr
 from .program import Program
-
-
-class StopTracing(Exception):
-    """The program needs something tracing cannot know (an argument's value, a generated variable)."""
 
 
 @dataclass

@@ -19,8 +19,12 @@ registry.register_names("quantization", ("auto", "none", "gguf"))
 registry.register_names("schedule_policy", ("lpm", "dfs-weight", "fcfs", "lof", "random"))
 registry.register_names("grammar_backend", ("auto", "xgrammar", "llguidance", "outlines", "none"))
 registry.register_names("router_policy", ("cache_aware", "round_robin", "power_of_two", "random"))
-registry.register_names("disaggregation_mode", ("null", "prefill", "decode"))
-registry.register_names("disaggregation_transfer_backend", ("mooncake", "nixl"))
+registry.register("disaggregation_mode", "null")  # serving whole requests: no scheduler plug-in
+registry.register("disaggregation_mode", "prefill", "furcate.runtime.disaggregation.prefill:PrefillSender")
+registry.register("disaggregation_mode", "decode", "furcate.runtime.disaggregation.decode:DecodeReceiver")
+registry.register("disaggregation_transfer_backend", "mooncake",
+                  "furcate.runtime.disaggregation.transfer:MooncakeAgent")
+registry.register("disaggregation_transfer_backend", "nixl", "furcate.runtime.disaggregation.nixl_agent:NixlAgent")
 ENGINE_CHOICE_FIELDS = ("dtype", "quantization", "schedule_policy", "grammar_backend", "disaggregation_mode",
                         "disaggregation_transfer_backend")
 

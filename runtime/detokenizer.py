@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .finish_reason import FinishReason
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -36,10 +38,10 @@ class IncrementalDetokenizer:
         return self.text
 
 
-def trim_stop(text: str, finish_reason: dict | None, no_stop_trim: bool) -> str:
+def trim_stop(text: str, finish_reason: FinishReason | None, no_stop_trim: bool) -> str:
     """Cut the text at the stop string that ended it; the scheduler stopped on its first occurrence."""
-    matched = (finish_reason or {}).get("matched")
-    if no_stop_trim or not isinstance(matched, str):
+    matched = finish_reason.stop_text if finish_reason is not None else None
+    if no_stop_trim or matched is None:
         return text
     index = text.find(matched)
     return text if index < 0 else text[:index]

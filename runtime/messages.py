@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .finish_reason import FinishReason
 from .sampling.params import SamplingParams
 
 # A logprob entry as SGLang's native API returns it: (logprob or None, token id, token text or None).
@@ -61,7 +62,7 @@ class ReqOutput:
 
     rid: str
     new_token_ids: list[int]
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_logprobs: list[float] = field(default_factory=list)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, stream_holdback, trim_stop
+from .finish_reason import PEER_FAILURE, FinishReason
 from .messages import PeerServerError, ReqOutput, TokenizedGenerateReq
 from .schema_check import SchemaChecker, SchemaVerdict
 
@@ -24,7 +25,7 @@ class RequestState:
                                                   params.spaces_between_special_tokens)
         self.holdback = stream_holdback(params.stop)
         self.output_ids: list[int] = []
-        self.finish_reason: dict[str, Any] | None = None
+        self.finish_reason: FinishReason | None = None
         self.prompt_tokens = len(req.input_ids)
         self.cached_tokens = 0
         self.logprobs: dict[str, list] = {}
@@ -56,10 +57,10 @@ class RequestState:
         new_logprobs = self._logprob_entries(out) if self.req.return_logprob else {}
         for key, entries in new_logprobs.items():
             self.logprobs.setdefault(key, []).extend(entries)
-        status = (self.finish_reason or {}).get("status_code")
-        if status is not None:  # the scheduler refused this request (e.g. its grammar does not compile)
-            error_type = ValueError if status < 500 else PeerServerError if status == 502 else RuntimeError
-            self.sink(error_type(self.finish_reason["message"]))
+        if self.finish_reason is not None and self.finish_reason.is_error:  # e.g. its grammar does not compile
+            status = self.finish_reason.status
+            error_type = ValueError if status < 500 else PeerServerError if status == PEER_FAILURE else RuntimeError
+            self.sink(error_type(self.finish_reason.message))
             return
         if self.schema is not None and self.schema_checker is not None and out.finish_reason is not None:
             self._check_schema()
@@ -69,7 +70,7 @@ class RequestState:
             self.sink(self.result())
 
     def _check_schema(self) -> None:
-        if self.finish_reason["type"] not in ("stop", "length"):  # aborted: no finished output to judge
+        if self.finish_reason.is_abort:  # no finished output to judge
             return
         cut = cut_by(self.finish_reason, self.req.sampling_params.stop_token_ids)
         self.schema_verdict = self.schema_checker.check(self.schema, self._content_text(), cut)
@@ -77,7 +78,7 @@ class RequestState:
     def _content_text(self) -> str:
         """The output as the schema sees it: without the stop token that ended it (shown when special tokens are)."""
         ids = self.output_ids
-        if ids and ids[-1] == self.finish_reason.get("matched"):
+        if ids and ids[-1] == self.finish_reason.stop_token_id:
             ids = ids[:-1]
         return trim_stop(self.detokenizer.decode(ids), self.finish_reason, self.req.sampling_params.no_stop_trim)
 
@@ -93,7 +94,7 @@ class RequestState:
         self.last_token_at = now
 
     def fail(self, error: Exception) -> None:
-        self.finish_reason = {"type": "abort", "message": str(error)}
+        self.finish_reason = FinishReason.abort(str(error))
         self.sink(error)
 
     def result(self) -> dict[str, Any]:
@@ -113,7 +114,7 @@ class RequestState:
     def _meta(self, logprobs: dict[str, list]) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": self.req.rid,
-            "finish_reason": self.finish_reason,
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.to_dict(),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.cached_tokens,
@@ -124,6 +125,8 @@ class RequestState:
         if self.req.return_logprob:
             meta["input_token_logprobs"] = logprobs.get("input_token_logprobs", [])
             meta["output_token_logprobs"] = logprobs.get("output_token_logprobs", [])
+            # SGLang's running count beside a stream's incremental entries (the same in a whole result)
+            meta["output_token_logprobs_length"] = len(self.logprobs.get("output_token_logprobs", []))
             if self.req.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = logprobs.get("input_top_logprobs", [])
                 meta["output_top_logprobs"] = logprobs.get("output_top_logprobs", [])
@@ -147,12 +150,11 @@ class RequestState:
         return [(lp, t, text) for (lp, t), text in zip(pairs, texts)]
 
 
-def cut_by(reason: dict[str, Any], stop_token_ids: list[int]) -> str | None:
+def cut_by(reason: FinishReason, stop_token_ids: list[int]) -> str | None:
     """What ended an output before its grammar did, or None: under a grammar only the grammar's own end lets the
     model's EOS through, so any other stop is a cut."""
-    matched = reason.get("matched")
-    if reason["type"] == "length":
+    if reason.kind == "length":
         return "length"
-    if isinstance(matched, str):
+    if reason.stop_text is not None:
         return "stop string"
-    return "stop token" if matched in stop_token_ids else None
+    return "stop token" if reason.stop_token_id in stop_token_ids else None

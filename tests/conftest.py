@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model directory, tiny random models of each architecture, engines over them."""
+"""Shared fixtures: the default model directory, tiny random models of each architecture, engines over them; and
+the collection rule that keeps pytest from importing the repository root a second time."""
 
 from __future__ import annotations
 
@@ -16,14 +17,31 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from furcate import Engine
 from furcate.runtime.model.default_model import prepare_default_model
 from furcate.runtime.server.server_process import ServerProcess
-
-from .tiny_models import CONFIGS, build_tiny_model
+from tiny_models import CONFIGS, build_tiny_model
 
 ARCHS = sorted(CONFIGS)
 # Engine arguments of every test that compares with HF transformers in float32 (dtype auto would pick bfloat16
 # on CPUs with native bf16, and quantization auto the default model's int4 kernels).
 EXACT = {"dtype": "float32", "quantization": "none"}
 TINY_POOL_TOKENS = 6000
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+class CheckoutRootIsNoTestPackage:
+    """The repository root has an __init__.py (it is the furcate package), so pytest would collect it as a Package
+    and, to look for a setup_module there, import that __init__.py under the checkout folder's name: a second copy
+    of furcate beside the installed one. It is collected as a plain directory instead."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collect_directory(self, path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+        return pytest.Dir.from_parent(parent, path=path) if path.resolve() == CHECKOUT else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A plugin, not a hook of this conftest: a conftest's hooks only see the folders below its own.
+    config.pluginmanager.register(CheckoutRootIsNoTestPackage(), "furcate-checkout-root")
+
+
 # For engines and servers of tests that send no grammar request: building grammar_backend="auto"'s backends costs
 # ~2.6 s of every start (tokenizer tables for llguidance and xgrammar), and unconstrained requests never touch them.
 NO_GRAMMAR = {"grammar_backend": "none"}

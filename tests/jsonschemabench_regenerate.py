@@ -2,7 +2,7 @@
 backend changes what it enforces. Schemas a sweep skips (slow compiles) keep their recorded entries. Review the diff:
 every change is a schema some backend now judges differently.
 
-    python -m tests.jsonschemabench_regenerate      (from the repository root, with the data set beside it)
+    PYTHONPATH=. python tests/jsonschemabench_regenerate.py      (from the repository root, with the data set beside it)
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import re
 
 from transformers import AutoTokenizer
 
-from furcate.benchmarks.jsonschemabench import BENCH, load_cases
+import jsonschemabench_gaps as recorded
+from benchmarks.jsonschemabench import BENCH, load_cases
 from furcate.runtime.model.default_model import prepare_default_model
-
-from . import jsonschemabench_gaps as recorded
-from .test_grammar_backends_jsonschemabench import sweep
+from test_grammar_backends_jsonschemabench import sweep
 
 TABLES = {"llguidance": "LLGUIDANCE", "xgrammar": "XGRAMMAR", "outlines": "OUTLINES", "auto": "AUTO"}
 GAPS_FILE = pathlib.Path(__file__).with_name("jsonschemabench_gaps.py")

@@ -6,12 +6,11 @@ import json
 
 import pytest
 
+from conftest import EXACT, NO_GRAMMAR
 from furcate import EngineArgs, gen
 from furcate.grammars import GrammarSpec
 from furcate.interpreter.backends.base import wire_sampling
 from furcate.runtime.sampling.params import SamplingParams
-
-from .conftest import EXACT, NO_GRAMMAR
 
 GOOD = {"max_new_tokens": 4, "temperature": 0}
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import EXACT, NO_GRAMMAR
 from furcate.runtime.attention.cascade import MIN_SHARED_TOKENS, attend_with_lse, merge, shared_prefix_len
-
-from .conftest import EXACT, NO_GRAMMAR
 
 
 def test_shared_prefix_len_stops_at_the_first_difference_and_the_shortest_cached_prefix():

@@ -12,8 +12,7 @@ import torch
 from furcate.runtime.attention.torch_native import TorchNativeAttention
 from furcate.runtime.config import EngineArgs
 from furcate.runtime.cuda_graph import batch_size_ladder, capture_batch_sizes, pad_decode_batch, padded_batch_size
-
-from .test_flashinfer_plan import HEAD_DIM, HEADS, KV_HEADS, make_batch
+from test_flashinfer_plan import HEAD_DIM, HEADS, KV_HEADS, make_batch
 
 
 def test_ladder_is_powers_of_two_to_eight_then_steps_of_eight_to_256():

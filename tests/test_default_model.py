@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from .conftest import assert_pool_free
+from conftest import assert_pool_free
 
 
 def test_tokenizer_splits_digits_one_by_one(tokenizer):

@@ -16,9 +16,8 @@ import textwrap
 
 import pytest
 
+from conftest import EXACT, TINY_POOL_TOKENS, assert_pool_free
 from furcate.runtime.engine import Engine
-
-from .conftest import EXACT, TINY_POOL_TOKENS, assert_pool_free
 
 SITECUSTOMIZE = textwrap.dedent("""
     import threading

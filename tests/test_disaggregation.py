@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from conftest import EXACT, NO_GRAMMAR, TINY_POOL_TOKENS, Revivable, assert_server_pool_free
 from furcate.runtime.server.server_process import ServerProcess
-
-from .conftest import EXACT, NO_GRAMMAR, TINY_POOL_TOKENS, Revivable, assert_server_pool_free
-from .processes import descendants, free_port, start_router
+from processes import descendants, free_port, start_router
 
 pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install -e '.[dev]')")
 try:

@@ -6,9 +6,8 @@ import asyncio
 
 import pytest
 
+from conftest import EXACT, NO_GRAMMAR, assert_pool_free
 from furcate import Engine
-
-from .conftest import EXACT, NO_GRAMMAR, assert_pool_free
 
 PARAMS = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 

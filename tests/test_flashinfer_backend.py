@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashinfer_fake import Recorder, make_module
 from furcate.runtime import registry
 from furcate.runtime.attention import select
 from furcate.runtime.attention.base import ForwardBatch, ModelAttention
@@ -29,8 +30,6 @@ from furcate.runtime.attention.flashinfer_backend import CascadeRun, FlashInferA
 from furcate.runtime.attention.torch_native import TorchNativeAttention
 from furcate.runtime.cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from furcate.runtime.cuda_graph import batch_size_ladder, pad_decode_batch, padded_batch_size
-
-from .flashinfer_fake import Recorder, make_module
 
 HEADS, HEAD_DIM, CONTEXT = 8, 64, 256
 SCALING = HEAD_DIM**-0.5
@@ -282,8 +281,7 @@ def test_make_attention_backend_builds_flashinfer_with_the_models_attention(relo
 def test_the_runner_describes_each_layers_window():
     from furcate.runtime.model.decoder import FAMILIES, DecoderForCausalLM
     from furcate.runtime.scheduler.model_runner import model_attention
-
-    from .tiny_models import CONFIGS
+    from tiny_models import CONFIGS
 
     for arch, family, windows in [("llama", "LlamaForCausalLM", {None}), ("mistral", "MistralForCausalLM", {24})]:
         decoder = DecoderForCausalLM(CONFIGS[arch](), FAMILIES[family])
@@ -399,7 +397,7 @@ def _tiny_model_with_flashinfer_shapes(arch: str, root: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from .tiny_models import build_tiny_model
+    from tiny_models import build_tiny_model
 
     vocab = 512
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))

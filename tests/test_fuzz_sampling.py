@@ -8,9 +8,8 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import assert_pool_free
 from furcate.runtime.sampling.params import SamplingParams
-
-from .conftest import assert_pool_free
 
 FIELDS = [name for name in SamplingParams.__dataclass_fields__ if name != "grammar"]
 SCALARS = (st.none() | st.booleans() | st.integers(min_value=-10**30, max_value=10**30)

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import HFReference
 from furcate.runtime.engine import Engine
-
-from .conftest import HFReference
-from .tiny_models import build_tiny_model
+from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh)")
 

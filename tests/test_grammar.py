@@ -11,12 +11,11 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
+from conftest import EXACT, assert_pool_free, engines_side_by_side
 from furcate import Engine
 from furcate.grammars.base import GrammarSpec, allocate_bitmask
 from furcate.grammars.cache import make_backend
 from furcate.runtime.scheduler.grammar_queue import percentile
-
-from .conftest import EXACT, assert_pool_free, engines_side_by_side
 
 PERSON = {
     "type": "object",

@@ -10,10 +10,9 @@ import re
 import jsonschema
 import pytest
 
+from conftest import EXACT, assert_pool_free
 from furcate import Engine
 from furcate.runtime.config import EngineArgs
-
-from .conftest import EXACT, assert_pool_free
 
 # Every value is bounded, so each output closes well within its token budget and is checked on every run.
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

@@ -7,9 +7,8 @@ import random
 
 import pytest
 
+from conftest import ARCHS, EXACT, NO_GRAMMAR, assert_pool_free, engine_starting
 from furcate import Engine
-
-from .conftest import ARCHS, EXACT, NO_GRAMMAR, assert_pool_free, engine_starting
 
 WORDS = "the a river of stone light over quiet 7 42 hills and when, old machines sang; 3.14 never".split()
 

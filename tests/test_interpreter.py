@@ -9,9 +9,8 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 import furcate as sgl
+from conftest import EXACT, NO_GRAMMAR
 from furcate import ProgramError
-
-from .conftest import EXACT, NO_GRAMMAR
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPT = "the river of stone and the quiet hills"

@@ -13,10 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conftest import EXACT, assert_pool_free
 from furcate import Engine
 from furcate.runtime.scheduler.jump_forward import forced_tokens
-
-from .conftest import EXACT, assert_pool_free
 
 
 def pieces(tokenizer, ids: list[int]) -> list[str]:

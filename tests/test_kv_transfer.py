@@ -157,8 +157,7 @@ def test_bootstrap_service_refuses_malformed_claims():
     import requests
 
     from furcate.runtime.disaggregation.bootstrap import BootstrapServer
-
-    from .processes import free_port
+    from processes import free_port
 
     port = free_port()
     registry = RoomRegistry()

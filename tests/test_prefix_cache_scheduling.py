@@ -6,9 +6,8 @@ import random
 
 import pytest
 
+from conftest import EXACT, NO_GRAMMAR, assert_pool_free, engines_side_by_side, shut_down, start_side_by_side
 from furcate import Engine
-
-from .conftest import EXACT, NO_GRAMMAR, assert_pool_free, engines_side_by_side, shut_down, start_side_by_side
 
 SHARED = ("You are a careful assistant. Answer in one word. The river of stone runs under quiet hills, and old "
           "machines sang when the light was 42 and 3.14. ")

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 import furcate as sgl
-
-from .conftest import assert_pool_free
+from conftest import assert_pool_free
 
 FEW_SHOT = ("The capital of France is Paris.\nThe capital of Germany is Berlin.\n"
             "The capital of Italy is Rome.\n")

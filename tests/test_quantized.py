@@ -9,15 +9,14 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from benchmarks.precision_quality import chat_ids, greedy, measure, reference_logprobs
+from conftest import NO_GRAMMAR, assert_pool_free, engines_side_by_side
 from furcate import Engine
-from furcate.benchmarks.precision_quality import chat_ids, greedy, measure, reference_logprobs
 from furcate.runtime.model.default_model import find_default_gguf, prepare_user_gguf
 from furcate.runtime.model.gguf_names import hf_name, unpermute_rope
 from furcate.runtime.model.quantize import gguf_block_weights
 from furcate.runtime.model.quantized import Int4Linear, Int8Linear, SmallBatchQuantized, read_blocks
-
-from .conftest import NO_GRAMMAR, assert_pool_free, engines_side_by_side
-from .tiny_gguf import HEADS, KV_HEADS, QUANTIZED_LAYERS, build_tiny_gguf
+from tiny_gguf import HEADS, KV_HEADS, QUANTIZED_LAYERS, build_tiny_gguf
 
 
 @pytest.fixture(scope="module")

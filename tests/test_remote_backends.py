@@ -7,12 +7,11 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 import furcate as sgl
+from conftest import NO_GRAMMAR, assert_server_pool_free
 from furcate import ProgramError
 from furcate.interpreter.backends.base import choice_starts
 from furcate.interpreter.backends.jinja_template import JinjaTemplateTokenizer
 from furcate.interpreter.backends.openai_backend import chat_messages, escape_regex
-
-from .conftest import NO_GRAMMAR, assert_server_pool_free
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPT = "the river of stone and the quiet hills"

@@ -10,12 +10,12 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 import requests
 
+from conftest import EXACT, TINY_POOL_TOKENS, assert_pool_free
 from furcate import Engine
 from furcate.grammars.spec import ANY_JSON
+from furcate.runtime.finish_reason import FinishReason
 from furcate.runtime.request_state import cut_by
 from furcate.runtime.schema_check import SchemaChecker
-
-from .conftest import EXACT, TINY_POOL_TOKENS, assert_pool_free
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
           "required": ["name", "age"]}
@@ -128,10 +128,10 @@ def test_validators_are_compiled_once_and_the_cache_is_bounded():
 
 
 def test_only_the_grammars_own_end_counts_as_complete():
-    assert cut_by({"type": "stop", "matched": 2}, stop_token_ids=[]) is None
-    assert cut_by({"type": "stop", "matched": 11}, stop_token_ids=[11]) == "stop token"
-    assert cut_by({"type": "stop", "matched": "}"}, stop_token_ids=[]) == "stop string"
-    assert cut_by({"type": "length", "length": 4}, stop_token_ids=[]) == "length"
+    assert cut_by(FinishReason.stop_token(2), stop_token_ids=[]) is None
+    assert cut_by(FinishReason.stop_token(11), stop_token_ids=[11]) == "stop token"
+    assert cut_by(FinishReason.stop_string("}"), stop_token_ids=[]) == "stop string"
+    assert cut_by(FinishReason.length(4), stop_token_ids=[]) == "length"
 
 
 # -- through the engine --------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from .conftest import assert_server_pool_free
+from conftest import assert_server_pool_free
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
@@ -131,6 +131,45 @@ def test_stream_is_cumulative_with_incremental_logprobs(server):
     streamed = [entry for c in chunks for entry in c["meta_info"]["output_token_logprobs"]]
     assert [e[1] for e in streamed] == [e[1] for e in whole["meta_info"]["output_token_logprobs"]]
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_streamed_logprobs_carry_the_running_count(server):
+    """SGLang's output_token_logprobs_length: the count of entries so far, beside each chunk's new entries."""
+    body = {"text": "Count me", "sampling_params": {**GREEDY, "max_new_tokens": 10}, "return_logprob": True}
+    whole = post(server, "/generate", body).json()["meta_info"]
+    assert whole["output_token_logprobs_length"] == len(whole["output_token_logprobs"]) == 10
+    chunks = sse_events(post(server, "/generate", {**body, "stream": True}, stream=True))[:-1]
+    previous = 0
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        assert meta["output_token_logprobs_length"] == meta["completion_tokens"]
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] - previous
+        previous = meta["completion_tokens"]
+    assert previous == 10
+
+
+def test_concate_and_append_request_answers_sglangs_client(server):
+    """The parallel-encoding join of SGLang's client: it holds the joined text itself and sends it next."""
+    reply = post(server, "/concate_and_append_request", {"src_rids": ["a", "b"], "dst_rid": "parent"})
+    assert reply.status_code == 200 and reply.json()["success"] is True
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ({"dst_rid": "parent"}, "src_rids"),
+    ({"src_rids": ["a"]}, "dst_rid"),
+    ({"src_rids": "a", "dst_rid": "parent"}, "src_rids"),
+    ({"src_rids": [], "dst_rid": "parent"}, "src_rids"),
+    ({"src_rids": ["a", 7], "dst_rid": "parent"}, "7"),
+    ({"src_rids": ["a"], "dst_rid": ["parent"]}, "dst_rid"),
+    ({"src_rids": ["a"], "dst_rid": ""}, "dst_rid"),
+    ({"src_rids": ["x" * 300], "dst_rid": "parent"}, "256"),
+    ({"src_rids": ["a"] * 100_000, "dst_rid": "parent"}, "a list of 100000"),
+    ({"src_rids": ["a"], "dst_rid": "parent", "extra": 1}, "extra"),
+])
+def test_concate_and_append_request_refuses_bad_bodies(server, body, named):
+    reply = post(server, "/concate_and_append_request", body)
+    assert reply.status_code == 400 and named in reply.json()["error"]["message"], reply.text
+    assert requests.get(f"{server}/health_generate", timeout=60).status_code == 200  # still serving
 
 
 def test_stop_regex_and_stop_strings(server, tokenizer):

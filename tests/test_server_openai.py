@@ -9,7 +9,7 @@ import openai
 import pytest
 import requests
 
-from .conftest import assert_server_pool_free
+from conftest import assert_server_pool_free
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
 

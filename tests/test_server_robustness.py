@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from conftest import NO_GRAMMAR, TINY_POOL_TOKENS, Revivable, assert_server_pool_free
 from furcate.runtime.server.server_process import ServerProcess
-
-from .conftest import NO_GRAMMAR, TINY_POOL_TOKENS, Revivable, assert_server_pool_free
 
 GOOD = {"text": "A steady request", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from conftest import ARCHS, EXACT, assert_pool_free
 from furcate import Engine
 from furcate.cli import build_parser
 from furcate.runtime.config import EngineArgs
@@ -22,9 +23,7 @@ from furcate.runtime.distributed.parallel_state import TensorParallel
 from furcate.runtime.distributed.spawn import spawn_followers
 from furcate.runtime.distributed.tp_layers import shard_tensor
 from furcate.runtime.model.loader import load_model
-
-from .conftest import ARCHS, EXACT, assert_pool_free
-from .processes import descendants, wait_gone
+from processes import descendants, wait_gone
 
 # No grammar backend: grammars only touch rank 0's sampling, and building one costs seconds per engine start.
 ENGINE_ARGS = {**EXACT, "max_total_tokens": 3000, "chunked_prefill_size": 16, "torch_num_threads": 1,

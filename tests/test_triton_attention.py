@@ -19,21 +19,21 @@ from pathlib import Path
 
 import pytest
 
-from .triton_interpreter_checks import CHECKS
+from triton_interpreter_checks import CHECKS
 
 TRITON = importlib.util.find_spec("triton")
 pytestmark = pytest.mark.skipif(TRITON is None, reason="triton is not installed: the triton attention backend "
                                                        "cannot run")
 
-# The directory that holds the furcate package, so the children import this checkout, not an installed copy.
-PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parent
 
 
 def start(module: str, **env: str) -> subprocess.Popen:
+    """The helper module run as a script (its folder first on sys.path, so it imports its sibling helpers); it
+    imports furcate as this process does, through the same installed package or PYTHONPATH."""
     environ = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | env
-    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))
-    return subprocess.Popen([sys.executable, "-m", f"furcate.tests.{module}"], env=environ, cwd=PACKAGE_PARENT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(TESTS / f"{module}.py")], env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def finish(child: subprocess.Popen) -> str:

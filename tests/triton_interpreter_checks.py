@@ -218,8 +218,7 @@ def compare_model_logits(arch: str) -> None:
     """A tiny random model's logits of every token of every step, with each backend over its own pools."""
     from furcate.runtime.attention.triton_backend import TritonAttention
     from furcate.runtime.model.decoder import FAMILIES, DecoderForCausalLM
-
-    from .tiny_models import CONFIGS
+    from tiny_models import CONFIGS
 
     torch.manual_seed(0)
     config = CONFIGS[arch]()

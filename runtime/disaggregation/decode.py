@@ -8,10 +8,8 @@ from typing import Any
 
 import aiohttp
 
-from ..cache.base import PrefixCache
-from ..config import EngineArgs
-from ..scheduler.memory import MemoryManager
-from ..scheduler.model_runner import ModelRunner
+from ..finish_reason import FinishReason
+from ..scheduler.plugins import SchedulerHandle, SchedulerPlugin
 from ..scheduler.prefill_adder import reserved_output
 from ..scheduler.req import EMPTY_SLOTS, Req
 from .bootstrap import LoopThread, claim_room
@@ -20,13 +18,18 @@ from .prefill import prompt_digest
 from .transfer import make_agent
 
 
-class DecodeReceiver:
-    def __init__(self, args: EngineArgs, runner: ModelRunner, cache: PrefixCache, memory: MemoryManager) -> None:
+class DecodeReceiver(SchedulerPlugin):
+    """The decode server's scheduler plug-in: a ready request waits here until its prompt's K/V and first token
+    arrived from the prefill server, then joins the running batch."""
+
+    def __init__(self, scheduler: SchedulerHandle) -> None:
+        self.scheduler = scheduler
+        args, runner = scheduler.args, scheduler.runner
         self.agent = make_agent(args.disaggregation_transfer_backend, args.disaggregation_host)
         self.agent.register(kv_buffers(runner.kv_pool))
         self.layout = KVLayout.of(runner.kv_pool)
         self.req_pool, self.kv_pool = runner.req_pool, runner.kv_pool
-        self.cache, self.memory = cache, memory
+        self.cache, self.memory = scheduler.cache, scheduler.memory
         self.timeout = args.disaggregation_timeout
         self.max_running = args.max_running_requests
         self.loop = LoopThread("furcate-kv-receive")
@@ -45,10 +48,33 @@ class DecodeReceiver:
     def holding(self) -> list[Req]:
         return list(self.receiving.values())
 
-    def add(self, req: Req) -> None:
+    def take_ready(self, req: Req) -> bool:
         self.queued.append(req)
+        return True
 
-    def remove_queued(self, rid: str) -> list[Req]:
+    def advance(self) -> None:
+        for req, outcome in self.poll():
+            self.land(req, outcome)
+        self.start_queued(self.scheduler.running, self.memory.new_token_ratio)
+
+    def land(self, req: Req, outcome: dict[str, Any]) -> None:
+        """The prompt's K/V arrived with the first token (or the transfer failed)."""
+        token = outcome.get("first_token")
+        vocab = self.scheduler.runner.vocab_size
+        valid = (isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab
+                 and isinstance(outcome.get("logprob"), (int, float, type(None)))
+                 and isinstance(outcome.get("top"), (list, type(None))))
+        if "error" in outcome or not valid:
+            self.discard(req)  # what those slots hold is not this prompt's K/V
+            if not req.finished:
+                self.scheduler.finish(req, FinishReason.peer_failure(
+                    f"prefill/decode KV transfer failed: {outcome.get('error', outcome)}"))
+        elif req.finished:  # aborted while its K/V were on the way; they are good, so cache them
+            self.memory.release(req)
+        else:
+            self.scheduler.start_decoding(req, token, outcome.get("logprob"), outcome.get("top"))
+
+    def remove(self, rid: str) -> list[Req]:
         matches = [r for r in self.queued if r.rid == rid]
         self.queued = [r for r in self.queued if r.rid != rid]
         return matches

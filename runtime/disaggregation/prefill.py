@@ -3,6 +3,7 @@ claimed its room has them, written straight into the slots that server reserved.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import queue
 import time
@@ -10,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import EngineArgs
-from ..scheduler.model_runner import ModelRunner
+from ..finish_reason import FinishReason
+from ..scheduler.plugins import SchedulerHandle, SchedulerPlugin
 from ..scheduler.req import Req
 from .bootstrap import BootstrapServer, Claim, RoomRegistry
 from .layout import KVLayout, kv_buffers, write_list
@@ -31,8 +32,13 @@ class Held:
     first_token: dict[str, Any]  # taken on the scheduler thread, which owns the request
 
 
-class PrefillSender:
-    def __init__(self, args: EngineArgs, runner: ModelRunner) -> None:
+class PrefillSender(SchedulerPlugin):
+    """The prefill server's scheduler plug-in: every request stops after its first token, and its finished
+    request's K/V are held until written to the decode server that claims its room."""
+
+    def __init__(self, scheduler: SchedulerHandle) -> None:
+        self.scheduler = scheduler
+        args, runner = scheduler.args, scheduler.runner
         self.agent = make_agent(args.disaggregation_transfer_backend, args.disaggregation_host)
         self.agent.register(kv_buffers(runner.kv_pool))
         self.layout = KVLayout.of(runner.kv_pool)
@@ -46,7 +52,7 @@ class PrefillSender:
         self.rooms: dict[int, int] = {}  # bootstrap_room -> id of the request holding it
         self.landed: queue.SimpleQueue[tuple[Req, str | None]] = queue.SimpleQueue()
         # kv_transfer_writes: (address, length) pieces; more per transfer when the slots are scattered.
-        self.stats = {"kv_transfers": 0, "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0, "kv_transfer_writes": 0,
+        self.counters = {"kv_transfers": 0, "kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0, "kv_transfer_writes": 0,
                       "kv_transfer_failures": 0}
 
     def close(self) -> None:
@@ -58,6 +64,26 @@ class PrefillSender:
 
     def holding(self) -> list[Req]:
         return [h.req for h in self.held.values()]
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counters)
+
+    def take_new(self, req: Req) -> bool:
+        req.params = dataclasses.replace(req.params, max_new_tokens=1)  # the decode server samples the rest
+        return False
+
+    def take_finished(self, req: Req) -> bool:
+        self.hold(req)
+        return True
+
+    def advance(self) -> None:
+        """Settle finished transfers: the prompt's K/V are intact either way, so they are cached."""
+        for req, problem in self.poll():
+            self.scheduler.memory.release(req)
+            if problem is not None:
+                self.scheduler.finish(req, FinishReason.peer_failure(problem))
+            elif req.pending is not None:  # else it was aborted meanwhile and has been answered
+                self.scheduler.finish(req, req.finish_reason)
 
     def hold(self, req: Req) -> None:
         """The request has its first token: keep its K/V until a decode server claimed and received them."""
@@ -101,7 +127,7 @@ class PrefillSender:
         if problem is None:
             self.registry.settle(room, claim, held.first_token)
         else:
-            self.stats["kv_transfer_failures"] += 1
+            self.counters["kv_transfer_failures"] += 1
             self.registry.settle(room, claim, {"error": problem})
         self.landed.put((req, problem))
 
@@ -122,10 +148,10 @@ class PrefillSender:
             self.agent.write(str(destination["session"]), sources, destinations, lengths)
         except TransferError as error:
             return str(error)
-        self.stats["kv_transfers"] += 1
-        self.stats["kv_transfer_bytes"] += sum(lengths)
-        self.stats["kv_transfer_writes"] += len(lengths)
-        self.stats["kv_transfer_seconds"] += time.perf_counter() - began
+        self.counters["kv_transfers"] += 1
+        self.counters["kv_transfer_bytes"] += sum(lengths)
+        self.counters["kv_transfer_writes"] += len(lengths)
+        self.counters["kv_transfer_seconds"] += time.perf_counter() - began
         return None
 
 

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from .. import registry
+
 INSTALL_HINT = ("install furcate's [disagg] extra (pip install 'furcate[disagg]'); Mooncake also needs the system "
                 "packages libibverbs1 and libnl-route-3-200 (apt-get install libibverbs1 libnl-route-3-200)")
 
@@ -60,8 +62,5 @@ class MooncakeAgent:
 
 
 def make_agent(backend: str, host: str) -> TransferAgent:
-    if backend == "mooncake":
-        return MooncakeAgent(host)
-    from .nixl_agent import NixlAgent
-
-    return NixlAgent(host)
+    """The agent registered under `backend` (config.py), imported only when chosen."""
+    return registry.resolve("disaggregation_transfer_backend", backend)(host)

@@ -23,7 +23,7 @@ from ..attention.base import ForwardBatch
 from ..config import EngineArgs
 from .parallel_state import TensorParallel, create_store, join_group, leave_group, rank_device
 from .spawn import Spawned
-from .step_sync import send_step
+from .step_sync import send_step, snapshot_table
 
 STOP_TIMEOUT_S = 10
 
@@ -43,6 +43,22 @@ class FollowerFailed:
     """Follower -> rank 0, instead of "ready": start-up failed."""
 
     traceback: str
+
+
+class NoFollowers:
+    """The model runner's followers when it runs alone (one rank, or a follower itself): nobody to tell."""
+
+    def wait_ready(self) -> None:
+        """Nobody to wait for."""
+
+    def snapshot(self, forward: ForwardBatch) -> None:
+        """Nobody reads the request table but this rank."""
+
+    def run_step(self, forward: ForwardBatch, logit_rows: torch.Tensor) -> None:
+        """Nobody runs the forward alongside."""
+
+    def close(self, kill: bool = False) -> None:
+        """Nothing to stop."""
 
 
 class Followers:
@@ -115,6 +131,10 @@ class Followers:
             code = None
         return RuntimeError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code} during "
                             "start-up (see its stderr)")
+
+    def snapshot(self, forward: ForwardBatch) -> None:
+        """Take the request-table entries this forward sends, on the scheduler thread, which edits the table."""
+        snapshot_table(forward)
 
     def run_step(self, forward: ForwardBatch, logit_rows: torch.Tensor) -> None:
         """Hand the followers this forward; they run it alongside rank 0 (every collective needs every rank)."""

@@ -7,13 +7,13 @@ one token. So one builder serves prefill, decode and mixed batches.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..attention.base import ForwardBatch
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from .launch import FutureTokens
+from .future_tokens import placeholder
 from .req import Req
 
 
@@ -26,9 +26,10 @@ class ReqSlice:
     input_rows: range  # positions whose logits give reported prompt logprobs
 
     @classmethod
-    def next_of(cls, req: Req, max_length: int | None = None) -> ReqSlice:
-        """The next slice of a request: the rest of its fill_ids, cut at max_length."""
-        remaining = req.fill_len - req.kv_len
+    def next_of(cls, req: Req, max_length: int | None = None, unseen: int = 0) -> ReqSlice:
+        """The next slice of a request: the rest of its fill_ids, cut at max_length. `unseen`: its tokens still
+        being sampled by a launched batch (overlap loop), laid out as placeholders."""
+        remaining = len(req.fill_ids) + unseen - req.kv_len
         length = remaining if max_length is None else min(remaining, max_length)
         return cls(req, req.kv_len, length, length == remaining, req.input_logprob_rows(req.kv_len, length))
 
@@ -46,8 +47,6 @@ class ScheduleBatch:
     slices: list[ReqSlice]
     forward: ForwardBatch
     logit_ranges: list[range]  # per slice, rows of the packed tokens whose logits are computed
-    # Where each sampling slice's token goes in the future buffer, for a batch launched before it (launch.py).
-    future_slots: list[int] = field(default_factory=list)
 
     @property
     def reqs(self) -> list[Req]:
@@ -70,8 +69,8 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
         req = piece.req
         end = piece.start + piece.length
         tokens = req.fill_ids[piece.start : end]
-        if len(tokens) < piece.length:  # the last token is still being sampled: read it from the future buffer
-            tokens.append(FutureTokens.placeholder(req))
+        if len(tokens) < piece.length:  # the last token is still being sampled: read it from the token table
+            tokens.append(placeholder(req))
         input_ids.extend(tokens)
         req_pool.req_to_token[req.req_pool_idx, piece.start : end] = slots[offset : offset + piece.length]
         rows = piece.logit_rows

@@ -1,4 +1,4 @@
-"""Requests waiting for their grammar to compile; none of them holds up the rest of the batch."""
+"""Requests waiting for their grammar to compile (a scheduler plug-in); none of them holds up the batch."""
 
 from __future__ import annotations
 
@@ -12,11 +12,17 @@ import torch
 from ...grammars.auto import approximation_refused
 from ...grammars.base import allocate_bitmask
 from ...grammars.cache import GrammarCache
+from ..finish_reason import FinishReason
+from .plugins import SchedulerHandle, SchedulerPlugin
 from .req import Req
 
 
-class GrammarQueue:
-    def __init__(self, cache: GrammarCache | None, timeout_s: float) -> None:
+class GrammarQueue(SchedulerPlugin):
+    """Takes each constrained request as it arrives, compiles its grammar on the cache's pool, and enqueues it
+    with its matcher attached (or fails it alone); fills the grammar masks of every batch."""
+
+    def __init__(self, scheduler: SchedulerHandle, cache: GrammarCache | None, timeout_s: float) -> None:
+        self.scheduler = scheduler
         self.cache = cache
         self.timeout_s = timeout_s
         # Under grammar_backend="auto" a grammar that only approximates its spec serves only requests that allow it;
@@ -33,8 +39,23 @@ class GrammarQueue:
                 "grammar_compile_p99_ms": percentile(compile_ms, 99), "mask_fills": len(fill_us),
                 "mask_fill_p50_us": percentile(fill_us, 50), "mask_fill_p99_us": percentile(fill_us, 99)}
 
-    def __len__(self) -> int:
-        return len(self.waiting)
+    @property
+    def pending(self) -> bool:
+        return bool(self.waiting)
+
+    def take_new(self, req: Req) -> bool:
+        if req.params.grammar is None:
+            return False
+        if (problem := self.add(req)) is not None:
+            self.scheduler.finish(req, FinishReason.bad_request(problem))
+        return True
+
+    def advance(self) -> None:
+        ready, failed = self.pop_settled()
+        for req in ready:
+            self.scheduler.enqueue(req)
+        for req, problem in failed:
+            self.scheduler.finish(req, FinishReason.bad_request(problem))
 
     def add(self, req: Req) -> str | None:
         """Start compiling; returns an error message when the request cannot be constrained at all."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import logging
 import math
 import os
 import time
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,16 +21,14 @@ from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..config import EngineArgs
 from ..cuda_graph import capture_batch_sizes
 from ..cuda_graph_runner import CudaGraphRunner, supports_cuda_graphs
-from ..distributed.followers import Followers
+from ..distributed.followers import Followers, NoFollowers
 from ..distributed.parallel_state import TensorParallel
 from ..distributed.spawn import Spawned, spawn_followers
-from ..distributed.step_sync import snapshot_table
 from ..model.layers import attention_shape
 from ..model.loader import load_config, load_model, resolve_dtype
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
-from .launch import FutureTokens
 
 logger = logging.getLogger("furcate.model_runner")
 
@@ -57,6 +56,12 @@ class StepResult:
     output_top: dict[int, TopEntries] = field(default_factory=dict)
     input_logprobs: dict[int, list[float]] = field(default_factory=dict)
     input_top: dict[int, list[TopEntries]] = field(default_factory=dict)
+    sampled: torch.Tensor | None = None  # the sampled ids on the device, in sampling-slice order
+
+    def drop(self, index: int) -> None:
+        """Forget slice `index`'s sampled token and its logprobs (the overlap loop found it stale)."""
+        for per_slice in (self.next_ids, self.output_logprobs, self.output_top):
+            per_slice.pop(index, None)
 
 
 class ModelRunner:
@@ -70,18 +75,16 @@ class ModelRunner:
         self.tp = TensorParallel(rank, args.tp_size)
         self.context_length = args.context_length or self.config.max_position_embeddings
         self.max_total_tokens = args.max_total_tokens or self._tokens_from_memory(args, model_path)
-        self.followers: Followers | None = None
+        self.followers: Followers | NoFollowers = NoFollowers()
         if rank == 0 and self.tp.size > 1:
             # Told before this rank loads, so every rank loads its shard at once; they share this pool size.
             self.followers = Followers(dataclasses.replace(args, max_total_tokens=self.max_total_tokens), model_path,
                                        spawned or spawn_followers(self.tp.size - 1))
         try:
             self._load(args, model_path)
-            if self.followers is not None:
-                self.followers.wait_ready()
+            self.followers.wait_ready()
         except BaseException:
-            if self.followers is not None:
-                self.followers.close(kill=True)
+            self.followers.close(kill=True)
             raise
 
     def _load(self, args: EngineArgs, model_path: str) -> None:
@@ -108,7 +111,7 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
         self.forward_calls = 0
-        self.future_tokens = FutureTokens(args.device)
+        self.device = args.device
         self.forward_stream = torch.cuda.Stream(args.device) if args.device.startswith("cuda") else None
 
     def _capture_graphs(self, args: EngineArgs) -> CudaGraphRunner | None:
@@ -138,36 +141,36 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduleBatch) -> None:
         """Everything of a forward that reads scheduler state; runs on the scheduler thread."""
-        self.future_tokens.reserve(batch)
         if self.graphs is not None:  # padding rows come last: the batch's logit rows stay where they were
             batch.forward = self.graphs.pad(batch.forward)
             if self.graphs.can_replay(batch.forward):
                 return  # planned into the graph's buffers on the forward thread, just before its replay
         self.attn_backend.init_forward_metadata(batch.forward)
-        if self.followers is not None:
-            snapshot_table(batch.forward)
+        self.followers.snapshot(batch.forward)
 
-    def run_batch(self, batch: ScheduleBatch, sampling_inputs: Future) -> StepResult:
-        """Forward, then sample once the scheduler has given the sampling inputs (grammar masks)."""
+    @contextlib.contextmanager
+    def on_forward_stream(self) -> Iterator[None]:
+        """Where a batch's kernels run. On a GPU, a stream of their own, after the copies of their inputs the
+        scheduler thread queued on the default one; the scheduler's next copies then need not wait for this
+        forward's kernels. Those inputs outlive the forward: the batch holds them until the scheduler folds it in,
+        after sampling has waited for every kernel here (tolist), so their memory is not reused under this stream."""
         if self.forward_stream is None:
-            return self.sample(batch, self.forward(batch), sampling_inputs.result())
-        # On a GPU the forward runs on its own stream, after the copies of its inputs the scheduler thread queued
-        # on the default one; the scheduler's next copies then need not wait for this forward's kernels. Those
-        # inputs outlive the forward: the batch holds them until the scheduler completes it, after sampling
-        # has waited for every kernel here (tolist), so their memory is not reused under this stream.
+            yield
+            return
         self.forward_stream.wait_stream(torch.cuda.default_stream(self.forward_stream.device))
         with torch.cuda.stream(self.forward_stream):
-            return self.sample(batch, self.forward(batch), sampling_inputs.result())
+            yield
+
+    def run_batch(self, batch: ScheduleBatch, sampling_inputs: Callable[[], SamplingInputs]) -> StepResult:
+        """Forward, then sample once the scheduler gives the sampling inputs (grammar masks)."""
+        return self.sample(batch, self.forward(batch), sampling_inputs())
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Logits of the rows the batch asks for. Token ids still to be sampled (negative placeholders from
-        the overlap loop) are read from the future buffer the previous batch's sampling wrote."""
+        """Logits of the rows the batch asks for."""
         started = time.perf_counter()
         forward = batch.forward
-        forward.input_ids = self.future_tokens.resolve(forward.input_ids)
         rows = torch.tensor([i for r in batch.logit_ranges for i in r], dtype=torch.long, device=forward.device)
-        if self.followers is not None:
-            self.followers.run_step(forward, rows)
+        self.followers.run_step(forward, rows)
         if self.graphs is not None and self.graphs.can_replay(forward):
             logits = self.graphs.replay(forward)[rows]
         else:
@@ -183,9 +186,8 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop the follower ranks (nothing to do without tensor parallelism)."""
-        if self.followers is not None:
-            self.followers.close()
-            self.followers = None
+        self.followers.close()
+        self.followers = NoFollowers()
 
     def sample(self, batch: ScheduleBatch, logits: torch.Tensor, inputs: SamplingInputs) -> StepResult:
         per_slice = logits.split([len(r) for r in batch.logit_ranges])
@@ -195,7 +197,7 @@ class ModelRunner:
             next_logits = torch.stack([per_slice[b][-1] for b in sampling])
             next_ids = sample(next_logits, inputs.rows, inputs.bitmask, inputs.constrained)
             result.next_ids = dict(zip(sampling, next_ids.tolist()))
-            self.future_tokens.publish(batch, next_ids)
+            result.sampled = next_ids
         for b, piece in enumerate(batch.slices):
             if piece.req.return_logprob and len(per_slice[b]):
                 self._add_logprobs(result, b, piece, per_slice[b])

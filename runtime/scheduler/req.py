@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..finish_reason import FinishReason
 from ..messages import Bootstrap, ReqOutput, TokenizedGenerateReq
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
@@ -37,13 +38,9 @@ class Req:
     input_logprob_values: list[float] = field(default_factory=list)
     input_top_values: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs_sent: bool = False
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     pending: ReqOutput | None = None  # what the next message to the engine will carry
     matcher: Any = None  # grammar state, for constrained requests
-    # Overlap loop: the future-buffer slot of an output token sampled but not yet seen by the scheduler.
-    future_slot: int | None = None
-    # Overlap loop: the in-flight batch sampled for this request from a state jump-forward has since changed.
-    discard_next: bool = False
     bootstrap: Bootstrap | None = None  # disaggregated serving: where this request's other half is paired
     stream: bool = False  # the engine reads every step's output (see output_due)
     first_output_sent: bool = False
@@ -78,10 +75,6 @@ class Req:
         """Every token whose K/V the request needs before it can sample again (a retracted request's outputs
         are recomputed with its prompt)."""
         return self.input_ids + self.output_ids
-
-    @property
-    def fill_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids) + (self.future_slot is not None)
 
     def token_ids_with_kv(self) -> list[int]:
         return self.fill_ids[: self.kv_len]
@@ -136,32 +129,28 @@ class Req:
         self.output().new_token_ids.append(token)
         self.finish_reason = self._check_finished(token, decode_tail, context_length)
 
-    def _check_finished(self, token: int, decode_tail: Callable[[list[int], bool], str], context_length: int):
+    def _check_finished(self, token: int, decode_tail: Callable[[list[int], bool], str],
+                        context_length: int) -> FinishReason | None:
         params = self.params
         if len(self.output_ids) >= params.min_new_tokens:
             if token in self.stop_token_ids:
-                return {"type": "stop", "matched": token}
+                return FinishReason.stop_token(token)
             if params.stop:
                 # A stop string can end inside a multi-token span, so decode a tail long enough to hold any.
                 window = max(len(s) for s in params.stop) + 2
                 tail = decode_tail(self.output_ids[-window:], params.skip_special_tokens)
                 for stop in params.stop:
                     if stop in tail:
-                        return {"type": "stop", "matched": stop}
+                        return FinishReason.stop_string(stop)
             if params.stop_regex:
                 # A regex match can span any length, so search the whole output (only requests that ask pay).
                 text = decode_tail(self.output_ids, params.skip_special_tokens)
                 for pattern in params.stop_regex:
                     match = re.search(pattern, text)
                     if match:
-                        return {"type": "stop", "matched": match.group(0)}
+                        return FinishReason.stop_string(match.group(0))
         if len(self.output_ids) >= params.max_new_tokens:
-            return {"type": "length", "length": params.max_new_tokens}
+            return FinishReason.length(params.max_new_tokens)
         if len(self.input_ids) + len(self.output_ids) >= context_length:
-            return {"type": "length", "length": len(self.output_ids)}
+            return FinishReason.length(len(self.output_ids))
         return None
-
-
-def bad_request(message: str, status: int = 400) -> dict[str, Any]:
-    """A finish reason the engine turns into an error for this request alone."""
-    return {"type": "abort", "message": message, "status_code": status}

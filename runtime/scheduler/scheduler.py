@@ -1,12 +1,11 @@
 """The scheduler process: receives tokenized requests, batches them, runs the model, streams results back.
 
-The loop is three calls: take new messages, step (build, launch and complete batches), send what it produced.
-Both loops share step(); launch.py holds what differs (where a batch runs) and the overlap loop's state.
+The loop is three calls: take new messages, step (schedule a batch and hand it to the launcher), send what it
+produced. The plain and overlapped loops differ only in their launcher (launchers.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from multiprocessing.connection import Connection
@@ -15,28 +14,30 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from ...grammars.cache import GrammarCache, make_backend
+from .. import registry
 from ..cache.chunk_cache import ChunkCache
 from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
-from ..disaggregation.decode import DecodeReceiver
-from ..disaggregation.prefill import PrefillSender
 from ..distributed.spawn import Spawned
+from ..finish_reason import FinishReason
 from ..messages import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
 from .grammar_queue import GrammarQueue
 from .jump_forward import forced_tokens
-from .launch import FutureTokens, InlineLauncher, Launched, WorkerLauncher, abandon
+from .launchers import OverlapLauncher, PlainLauncher
 from .memory import MemoryManager
 from .model_runner import ModelRunner, SamplingInputs, StepResult
+from .plugins import SchedulerPlugin
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
-from .req import Req, bad_request
+from .req import Req
 from .rpc import SchedulerRpc
-from .transfers import TransferSteps
 
 logger = logging.getLogger("furcate.scheduler")
 
-class Scheduler(SchedulerRpc, TransferSteps):
+class Scheduler:
+    """Owns the request queues and the loop; plug-ins (plugins.py) hold requests outside its queues."""
+
     def __init__(self, args: EngineArgs, model_path: str, tokenizer_path: str, conn: Connection,
                  followers: Spawned | None = None) -> None:
         self.args = args
@@ -50,15 +51,17 @@ class Scheduler(SchedulerRpc, TransferSteps):
         self.memory = MemoryManager(args, self.cache, self.runner.req_pool, self.runner.kv_pool)
         backend = make_backend(args.grammar_backend, self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids),
                                args.grammar_compile_timeout)
-        self.grammars = GrammarQueue(GrammarCache(backend) if backend else None, args.grammar_compile_timeout)
-        self.prefill_sender = PrefillSender(args, self.runner) if args.disaggregation_mode == "prefill" else None
-        self.decode_receiver = (DecodeReceiver(args, self.runner, self.cache, self.memory)
-                                if args.disaggregation_mode == "decode" else None)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.grammars = GrammarQueue(self, GrammarCache(backend) if backend else None, args.grammar_compile_timeout)
+        # A disaggregation side first: a prefill server cuts every request to its first token before it queues.
+        self.plugins: list[SchedulerPlugin] = [*disaggregation_side(self), self.grammars]
+        self.rpc = SchedulerRpc(self)
         self.chunked_req: Req | None = None
         self.last_batch_prefilled = False
         self.rng = random.Random(args.random_seed)
+        launcher = PlainLauncher if args.disable_overlap_schedule else OverlapLauncher
+        self.launcher = launcher(self.runner, self.process_result, self.sampling_inputs)
         self.outputs: list[Any] = []
         self.cached_tokens_total = 0
         self.jumped_tokens = 0
@@ -83,82 +86,41 @@ class Scheduler(SchedulerRpc, TransferSteps):
 
     @property
     def idle(self) -> bool:
-        return not (self.has_work or self.grammars or self.transfers_pending)
+        return not (self.has_work or self.plugins_pending)
+
+    @property
+    def plugins_pending(self) -> bool:
+        return any(plugin.pending for plugin in self.plugins)
 
     # -- the loop -------------------------------------------------------------------------------------------
 
     def event_loop(self) -> None:
         try:
-            if self.args.disable_overlap_schedule:
-                self.plain_loop()
-            else:
-                self.overlap_loop()
-        finally:
-            if side := self.prefill_sender or self.decode_receiver:
-                side.close()
-
-    def plain_loop(self) -> None:
-        """Each batch is completed in the round that launched it."""
-        self.launcher = InlineLauncher(self.runner.run_batch)
-        while self.receive_messages(block=not self.has_work):
-            launched = self.step(None)
-            if launched is not None:
-                self.complete(launched, None)
-            self.send_outputs()
-
-    def overlap_loop(self) -> None:
-        """Batch N runs on a worker while this thread completes N-1 and schedules N+1 (launch.py)."""
-        self.launcher = WorkerLauncher(self.runner.run_batch)
-        in_flight: Launched | None = None
-        try:
-            while self.receive_messages(block=in_flight is None and not self.has_work):
-                in_flight = self.step(in_flight)
+            while self.receive_messages(block=not (self.has_work or self.launcher.busy)):
+                self.step()
                 self.send_outputs()
         finally:
-            if in_flight is not None:
-                abandon(in_flight)
             self.launcher.close()
+            for plugin in self.plugins:
+                plugin.close()
 
-    def step(self, in_flight: Launched | None) -> Launched | None:
-        """One round of either loop: schedule and launch the next batch, complete the batch in flight (overlap
-        loop), then hand the new batch its sampling inputs, whose grammar masks need the previous batch's
-        tokens accepted first. Returns the batch launched and not yet completed."""
-        if in_flight is not None and self.memory.room() < len(self.running):
-            # Retraction must see every sampled token: finish the in-flight batch first.
-            self.complete(in_flight, None)
-            in_flight = None
-        batch = self.next_batch()
-        launched = None
-        if batch is not None:
-            self.runner.prepare(batch)
-            launched = self.launcher.launch(batch)
-        if in_flight is not None:
-            try:
-                self.complete(in_flight, launched)
-            except BaseException:
-                if launched is not None:  # or its runner waits for sampling inputs forever
-                    abandon(launched)
-                raise
-        if launched is not None:
-            launched.sampling_inputs.set_result(self.sampling_inputs(launched.batch))
-        return launched
-
-    def complete(self, launched: Launched, next_launched: Launched | None) -> None:
-        result = launched.result.result()
-        in_flight = {id(p.req) for p in next_launched.batch.slices} if next_launched is not None else set()
-        self.process_result(launched.batch, result, in_flight)
+    def step(self) -> None:
+        """Schedule the next batch and hand it to the launcher, which folds in (process_result) every batch whose
+        tokens are known by the end of the round."""
+        if self.launcher.busy and self.memory.room() < len(self.running):
+            self.launcher.drain()  # retraction must see every sampled token
+        self.launcher.submit(self.next_batch())
 
     def receive_messages(self, block: bool) -> bool:
         """Handle everything the engine sent; False once it asked to shut down."""
-        # Requests waiting only for a grammar or a KV transfer must not block the loop: poll until they settle.
-        polling = self.grammars or self.transfers_pending
-        for message in receive(self.conn, block=block, timeout=0.002 if polling else None):
+        # Requests waiting only on a plug-in (a grammar, a KV transfer) must not block the loop: poll until they settle.
+        for message in receive(self.conn, block=block, timeout=0.002 if self.plugins_pending else None):
             if isinstance(message, RpcReq) and message.method == "shutdown":
                 self.conn.send([RpcOut(message.call_id, True)])
                 return False
             self.handle(message)
-        self.admit_compiled_grammars()
-        self.advance_transfers()
+        for plugin in self.plugins:
+            plugin.advance()
         return True
 
     def send_outputs(self) -> None:
@@ -180,11 +142,7 @@ class Scheduler(SchedulerRpc, TransferSteps):
         elif isinstance(message, AbortReq):
             self.abort(message.rid)
         elif isinstance(message, RpcReq):
-            method = getattr(self, f"rpc_{message.method}", None) if isinstance(message.method, str) else None
-            if method is None:  # answered, not raised: a bad call must not take the scheduler down
-                self.outputs.append(RpcOut(message.call_id, ValueError(f"unknown RPC method {message.method!r}")))
-            else:
-                self.outputs.append(RpcOut(message.call_id, method()))
+            self.outputs.append(RpcOut(message.call_id, self.rpc.answer(message.method)))
         else:
             raise TypeError(f"scheduler got an unknown message {type(message).__name__}")
 
@@ -193,38 +151,24 @@ class Scheduler(SchedulerRpc, TransferSteps):
         try:
             req = Req.from_tokenized(message, self.rng.randrange(2**31), self.eos_ids)
         except Exception as error:  # noqa: BLE001 - a malformed request is answered, never allowed to stop the loop
-            self.outputs.append(ReqOutput(rid=message.rid, new_token_ids=[], finish_reason=bad_request(
-                f"request could not be queued: {type(error).__name__}: {error}", 500)))
+            self.outputs.append(ReqOutput(rid=message.rid, new_token_ids=[], finish_reason=FinishReason.internal_error(
+                f"request could not be queued: {type(error).__name__}: {error}")))
             return
-        if self.prefill_sender is not None:  # the decode server samples everything after the first token
-            req.params = dataclasses.replace(req.params, max_new_tokens=1)
-        if req.params.grammar is None:
+        if not any(plugin.take_new(req) for plugin in self.plugins):
             self.enqueue(req)
-        elif (problem := self.grammars.add(req)) is not None:
-            self.finish(req, bad_request(problem))
 
     def enqueue(self, req: Req) -> None:
-        """A request ready to run: a decode server first has its prompt's K/V sent over."""
-        if self.decode_receiver is not None:
-            self.decode_receiver.add(req)
-        else:
+        """A request ready to run, unless a plug-in holds it first (a decode server's prompt K/V come over)."""
+        if not any(plugin.take_ready(req) for plugin in self.plugins):
             self.waiting.append(req)
 
-    def admit_compiled_grammars(self) -> None:
-        ready, failed = self.grammars.pop_settled()
-        for req in ready:
-            self.enqueue(req)
-        for req, problem in failed:
-            self.finish(req, bad_request(problem))
-
     def abort(self, rid: str) -> None:
-        queued = self.decode_receiver.remove_queued(rid) if self.decode_receiver else []
-        for req in self.grammars.remove(rid) + queued:
-            self.finish(req, {"type": "abort", "message": "aborted by request"})
-        side = self.prefill_sender or self.decode_receiver
-        for req in side.holding() if side else []:
-            if req.rid == rid and not req.finished:  # its K/V are in flight: released when the transfer settles
-                self.finish(req, {"type": "abort", "message": "aborted by request"})
+        for plugin in self.plugins:
+            for req in plugin.remove(rid):
+                self.finish(req, FinishReason.abort("aborted by request"))
+            for req in plugin.holding():
+                if req.rid == rid and not req.finished:  # its memory is released when the plug-in settles it
+                    self.finish(req, FinishReason.abort("aborted by request"))
         matches = [r for r in self.waiting + self.running + [self.chunked_req] if r is not None and r.rid == rid]
         for req in matches:
             if req in self.waiting:
@@ -234,7 +178,7 @@ class Scheduler(SchedulerRpc, TransferSteps):
             self.running = [r for r in self.running if r is not req]
             if self.chunked_req is req:
                 self.chunked_req = None
-            self.finish(req, {"type": "abort", "message": "aborted by request"})
+            self.finish(req, FinishReason.abort("aborted by request"))
 
     # -- batching -------------------------------------------------------------------------------------------
 
@@ -246,7 +190,7 @@ class Scheduler(SchedulerRpc, TransferSteps):
         self.last_batch_prefilled = bool(slices)
         if not slices or self.args.enable_mixed_chunk:
             self.memory.make_decode_room(self.running, self.retract)
-            slices += [ReqSlice.next_of(req) for req in self.running]
+            slices += [ReqSlice.next_of(req, unseen=self.launcher.unseen(req)) for req in self.running]
         if not slices:
             return None
         batch = build_batch(slices, self.runner.req_pool, self.runner.kv_pool, self.memory.alloc)
@@ -298,11 +242,9 @@ class Scheduler(SchedulerRpc, TransferSteps):
 
     # -- results --------------------------------------------------------------------------------------------
 
-    def process_result(self, batch: ScheduleBatch, result: StepResult, in_flight: set[int] = frozenset()) -> None:
-        """Fold a batch's tokens into its requests. `in_flight`: ids of requests in a batch already launched
-        (overlap loop), whose token from that batch must be dropped if jump-forward changes their state now."""
+    def process_result(self, batch: ScheduleBatch, result: StepResult) -> None:
+        """Fold a batch's tokens into its requests."""
         running = {id(r) for r in self.running}
-        slots = iter(batch.future_slots)
         for b, piece in enumerate(batch.slices):
             req = piece.req
             if b in result.input_logprobs:
@@ -310,7 +252,7 @@ class Scheduler(SchedulerRpc, TransferSteps):
                 req.input_top_values.extend(result.input_top.get(b, []))
             if not piece.samples:  # a chunk of a long prompt; the next one follows next step
                 continue
-            if not FutureTokens.settle(req, slots) or req.finished:  # redirected or finished while this batch ran
+            if b not in result.next_ids or req.finished:  # dropped as stale, or finished while this batch ran
                 continue
             if id(req) not in running:
                 self.finish_prefill(req)
@@ -318,13 +260,12 @@ class Scheduler(SchedulerRpc, TransferSteps):
                     continue
             self.take_token(req, result.next_ids[b], result.output_logprobs.get(b), result.output_top.get(b))
             jumped = not req.finished and not self.args.disable_jump_forward and self.jump_forward(req)
-            if jumped and id(req) in in_flight:
-                FutureTokens.redirect(req)
-            if req.finished and self.prefill_sender is not None:
-                self.prefill_sender.hold(req)  # its K/V go to the decode server before they are released
-            elif req.finished:
-                self.memory.release(req)
-                self.finish(req, req.finish_reason)
+            if jumped:  # a batch launched meanwhile (overlap loop) samples for the state before the jump
+                self.launcher.redirect(req)
+            if req.finished:
+                if not any(plugin.take_finished(req) for plugin in self.plugins):
+                    self.memory.release(req)
+                    self.finish(req, req.finish_reason)
             elif id(req) not in running:
                 self.running.append(req)
         self.running = [r for r in self.running if not r.finished]
@@ -342,9 +283,9 @@ class Scheduler(SchedulerRpc, TransferSteps):
         if req.matcher is None:
             return
         if not req.matcher.accept(token):
-            req.finish_reason = bad_request(f"the grammar rejected token {token}", status=500)
+            req.finish_reason = FinishReason.internal_error(f"the grammar rejected token {token}")
         elif req.matcher.is_terminated() and not req.finished:
-            req.finish_reason = {"type": "stop", "matched": token}
+            req.finish_reason = FinishReason.stop_token(token)
 
     def jump_forward(self, req: Req) -> bool:
         """Append the tokens the grammar forces next (which ones: jump_forward.py); the next step's extend computes
@@ -386,9 +327,22 @@ class Scheduler(SchedulerRpc, TransferSteps):
             req.input_logprobs_sent = True
         if req.params.max_new_tokens == 0:
             self.memory.release(req)
-            self.finish(req, {"type": "length", "length": 0})
+            self.finish(req, FinishReason.length(0))
 
-    def finish(self, req: Req, reason: dict[str, Any]) -> None:
+    def start_decoding(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
+        """A request whose prompt K/V were computed elsewhere (a prefill server) joins the running batch."""
+        self.cache.cache_unfinished_req(req)
+        self.finish_prefill(req)
+        self.take_token(req, token, logprob, top)
+        if req.finished:
+            self.memory.release(req)
+            self.finish(req, req.finish_reason)
+            return
+        self.running.append(req)
+        if (out := req.output_due()) is not None:  # the first token goes out now, not with the next step's
+            self.outputs.append(out)
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         out = req.output()
         out.finish_reason = reason
@@ -397,6 +351,12 @@ class Scheduler(SchedulerRpc, TransferSteps):
 
     def decode_tail(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def disaggregation_side(scheduler: Scheduler) -> list[SchedulerPlugin]:
+    """The plug-in of a prefill or decode server (registered with its implementation); none serving whole."""
+    mode = scheduler.args.disaggregation_mode
+    return [] if mode == "null" else [registry.resolve("disaggregation_mode", mode)(scheduler)]
 
 
 def receive(conn: Connection, block: bool, timeout: float | None = None) -> list[Any]:

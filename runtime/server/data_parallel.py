@@ -20,7 +20,7 @@ import time
 import requests
 
 from ..config import EngineArgs, ServerArgs
-from .server_process import READY_PREFIX, ServerProcess, _url_host
+from .server_process import READY_PREFIX, ServerProcess, url_host
 
 ROUTER_STARTUP_S = 60.0
 
@@ -42,7 +42,7 @@ def serve_data_parallel(engine_args: EngineArgs, server_args: ServerArgs) -> int
                 workers.append(_start_worker(engine_args, server_args, server_args.dp_size))
             worker_args = ["--worker-urls", *(w.url for w in workers)]
         port = server_args.port or _free_port(server_args.host)
-        url = f"http://{_url_host(server_args.host)}:{port}"
+        url = f"http://{url_host(server_args.host)}:{port}"
         command = [sys.executable, "-m", "sglang_router.launch_router", "--host", server_args.host, "--port",
                    str(port), "--policy", server_args.router_policy, *worker_args, "--log-level", "warn",
                    # Its Prometheus exporter binds 29000 unless told otherwise; two routers must not collide.

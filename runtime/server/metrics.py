@@ -57,7 +57,7 @@ class ServerMetrics:
 
     def observe(self, state: RequestState) -> None:
         """Called by the engine's receiver thread as each request ends (prometheus_client is thread-safe)."""
-        reason = (state.finish_reason or {}).get("type", "abort")
+        reason = state.finish_reason.kind if state.finish_reason is not None else "abort"
         self.requests.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(state.prompt_tokens)
         self.generation_tokens.inc(len(state.output_ids))

@@ -1,4 +1,5 @@
-"""SGLang's native routes: /generate (single, batch, streaming), health, model and server info, cache, abort."""
+"""SGLang's native routes: /generate (single, batch, streaming), health, model and server info, cache, abort,
+and the parallel-encoding join of SGLang's own client."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import dataclasses
 
 from aiohttp import web
 
-from ... import __version__
+from ...version import __version__
 from ..engine import Engine
+from ..sampling.params import MAX_N
 from .errors import ApiError, check_fields, read_json_object
 from .keys import ENGINE, METRICS, SETTINGS
 from .router_fields import BOOTSTRAP_FIELDS, strip_router_fields
@@ -19,6 +21,9 @@ GENERATE_FIELDS = frozenset({
     "return_text_in_logprobs", "stream", "rid", "image_data", *BOOTSTRAP_FIELDS,
 })
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+CONCAT_FIELDS = frozenset({"src_rids", "dst_rid"})
+MAX_CONCAT_SOURCES = MAX_N  # a join gathers one fork's children, and a fork has at most n of them
+MAX_RID_CHARS = 256
 
 
 def add_routes(app: web.Application) -> None:
@@ -32,6 +37,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/get_load", get_load)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/concate_and_append_request", concate_and_append_request)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
@@ -159,6 +165,34 @@ async def abort_request(request: web.Request) -> web.Response:
         raise ApiError(400, f"rid must be a non-empty string, got {rid!r}")
     _engine(request).abort(rid)
     return web.json_response({"success": True})
+
+
+async def concate_and_append_request(request: web.Request) -> web.Response:
+    """SGLang's client sends this from `join("concate_and_append")` (its parallel encoding, on by default) after
+    it has appended the children's text to the parent's own copy. Its rids are the client's program ids, which it
+    never sends with /generate, so there is nothing on the server to move: each child's text was prefilled by the
+    client just before (max_new_tokens 0), and the parent's next /generate sends the joined text, whose longest
+    cached prefix the radix cache matches by token ids; the rest is computed at its true positions, so outputs
+    stay exact instead of attending to KV encoded at other positions."""
+    body = await read_json_object(request)
+    check_fields(body, CONCAT_FIELDS)
+    src_rids, dst_rid = body.get("src_rids"), body.get("dst_rid")
+    if not isinstance(src_rids, list) or not src_rids or len(src_rids) > MAX_CONCAT_SOURCES:
+        raise ApiError(400, f"src_rids must be a list of 1 to {MAX_CONCAT_SOURCES} rids, got "
+                            f"{_describe(src_rids)}")
+    for rid in [*src_rids, dst_rid]:
+        if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_CHARS:
+            raise ApiError(400, f"src_rids and dst_rid must be rids (strings of 1 to {MAX_RID_CHARS} characters), "
+                                f"got {_describe(rid)}")
+    return web.json_response({"success": True, "message": f"{len(src_rids)} sources joined into {dst_rid}"})
+
+
+def _describe(value: object) -> str:
+    """A bad value for an error message, cut short: a rejected body may be megabytes."""
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 64 else f"{text[:61]}..."
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -1,9 +1,8 @@
-"""Running the server: `serve()` in this process (what `furcate serve` calls), and `ServerProcess`, which starts
-`python -m furcate serve` as a child and waits until it is ready (used by furcate.Runtime, tests, benchmarks)."""
+"""`ServerProcess` starts `python -m furcate serve` as a child and waits until it is ready (used by furcate.Runtime,
+tests, benchmarks); the ready line it waits for is the one serve.py prints."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import queue
@@ -14,61 +13,26 @@ import threading
 import time
 from typing import Any
 
-from aiohttp import web
-
-from ..config import EngineArgs, ServerArgs
+from ..config import EngineArgs
 
 READY_PREFIX = "furcate server ready at "
 
 
-def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, then finish (or abort) in-flight requests and exit 0.
-    With dp_size > 1 or pd_disaggregation: servers behind sglang-router (data_parallel.py)."""
-    from ..engine import Engine
-
-    if server_args.dp_size > 1 or server_args.pd_disaggregation:
-        from .data_parallel import serve_data_parallel
-
-        return serve_data_parallel(engine_args, server_args)
-    engine = Engine(**dataclasses.asdict(engine_args))
-    try:
-        asyncio.run(_serve(engine, server_args))
-    finally:
-        engine.shutdown()
-    return 0
-
-
-async def _serve(engine: Any, settings: ServerArgs) -> None:
-    from .app import create_app
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-    runner = web.AppRunner(create_app(engine, settings), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=settings.graceful_shutdown_timeout)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    print(f"{READY_PREFIX}http://{_url_host(host)}:{port}", flush=True)
-    await stop.wait()
-    print("furcate server shutting down", flush=True)
-    await runner.cleanup()  # stops listening, lets in-flight handlers finish up to shutdown_timeout, cancels the rest
-
-
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
+    """A host as it goes in a URL (an IPv6 address in brackets)."""
     return f"[{host}]" if ":" in host else host
 
 
 class ServerProcess:
-    """`python -m furcate serve` in a child process; `.url` once it printed its ready line."""
+    """`python -m furcate serve` in a child process; `.url` once it printed its ready line. `launcher` is the
+    command that runs furcate's CLI: by default this interpreter's furcate, or another environment's `furcate`
+    console script."""
 
     def __init__(self, model_path: str = "default", engine_args: dict[str, Any] | None = None,
                  host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 extra_args: tuple[str, ...] = (), startup_timeout: float = 600.0) -> None:
-        command = [sys.executable, "-m", "furcate", "serve", "--model-path", model_path, "--host", host,
+                 extra_args: tuple[str, ...] = (), startup_timeout: float = 600.0,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "furcate")) -> None:
+        command = [*launcher, "serve", "--model-path", model_path, "--host", host,
                    "--port", str(port), *cli_flags(engine_args or {}), *extra_args]
         if api_key is not None:
             command += ["--api-key", api_key]

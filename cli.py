@@ -15,6 +15,7 @@ from .version import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     from .runtime.config import EngineArgs, ServerArgs, add_dataclass_args
+    from .runtime.sampling.params import declared_default
 
     parser = argparse.ArgumentParser(prog="furcate", description="Structured LLM programs and their runtime.")
     parser.add_argument("--version", action="version", version=f"furcate {__version__}")
@@ -24,11 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     sampling = generate.add_argument_group("sampling")
-    sampling.add_argument("--max-new-tokens", type=int, default=128)
-    sampling.add_argument("--temperature", type=float, default=0.0)
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=-1)
-    sampling.add_argument("--n", type=int, default=1, help="samples of the prompt (printed one after another)")
+    sampling.add_argument("--max-new-tokens", type=int, default=declared_default("max_new_tokens"))
+    sampling.add_argument("--temperature", type=float, default=declared_default("temperature"))
+    sampling.add_argument("--top-p", type=float, default=declared_default("top_p"))
+    sampling.add_argument("--top-k", type=int, default=declared_default("top_k"))
+    sampling.add_argument("--n", type=int, default=declared_default("n"),
+                          help="samples of the prompt (printed one after another)")
     sampling.add_argument("--stop", action="append", default=None, help="a stop string (repeat for more)")
     sampling.add_argument("--json-schema", help="constrain the output to this JSON schema (JSON text)")
     sampling.add_argument("--regex", help="constrain the output to this regular expression")

@@ -185,8 +185,8 @@ class Executor:
 
     async def _gen(self, expr: Gen) -> None:
         sampling = {**self.sampling, **expr.sampling}
-        if expr.constraint is not None:
-            sampling[expr.constraint.kind] = expr.constraint.spec
+        if expr.constraint is not None:  # built once by gen(); a backend that talks HTTP flattens it (wire_sampling)
+            sampling["grammar"] = expr.constraint
         logprobs = {**self.logprobs, **expr.logprobs}
         if self.stream and sampling.get("n", 1) == 1:
             await self._gen_streaming(expr, sampling, logprobs)

@@ -14,6 +14,7 @@ import tqdm
 
 from ..lang.program import Program
 from ..lang.tracing import Trace, constant_prefix, trace
+from ..runtime.sampling.params import declared_default
 from .backends.base import Backend
 from .backends.resolve import resolve_backend
 from .errors import ProgramError
@@ -21,12 +22,11 @@ from .executor import RUNNING_BODY, Executor
 from .loop import run_coroutine
 from .state import ProgramState
 
-# run()'s sampling defaults, as SGLang's frontend has them (note: temperature 1.0, so gen samples by default).
-SAMPLING_DEFAULTS: dict[str, Any] = {
-    "max_new_tokens": 128, "n": 1, "stop": None, "stop_token_ids": None, "stop_regex": None, "temperature": 1.0,
-    "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "ignore_eos": False,
-}
+RUN_SAMPLING_FIELDS = ("max_new_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
+                       "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos")
+# run()'s sampling defaults are the runtime's, which are SGLang's frontend's (note: temperature 1.0, so gen samples
+# by default); None leaves a field out.
+SAMPLING_DEFAULTS: dict[str, Any] = {name: declared_default(name) for name in RUN_SAMPLING_FIELDS}
 LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 # A traced prefix shorter than this is not worth a request of its own (SGLang uses the same bound).
 MIN_PRECACHE_CHARS = 64

@@ -124,12 +124,10 @@ class Engine:
         sinks = [queue.Queue() for _ in reqs]
         states = [self._submit(req, return_text_in_logprobs, sink.put) for req, sink in zip(reqs, sinks)]
         try:
-            for state, sink in zip(states, sinks):
-                self._drain_until_finished(state, sink, deadline)
+            results = [self._wait_result(state, sink, deadline) for state, sink in zip(states, sinks)]
         except BaseException:
             self._abort_unfinished(states)  # one item failed: the others must not run on, unowned
             raise
-        results = [state.result() for state in states]
         return results[0] if single else results
 
     async def async_generate(self, prompt: str | list[str] | None = None,
@@ -141,9 +139,14 @@ class Engine:
                              bootstrap_port: int | None = None, bootstrap_room: int | None = None):
         """Async twin of generate(); with stream=True returns an async iterator of chunks."""
         _deadline(timeout, stream)
-        reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                          top_logprobs_num, rid, stream, return_text_in_logprobs,
-                                          _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room))
+        bootstrap = _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room)
+        build_args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, rid,
+                      stream, return_text_in_logprobs, bootstrap)
+        if prompt is None:  # token ids: nothing slow to do
+            reqs, single = self.builder.build(*build_args)
+        else:  # tokenizing a long prompt must not stall every other coroutine on this loop (fast tokenizers
+            # release the GIL); the thread raises the same ValueError here
+            reqs, single = await asyncio.to_thread(self.builder.build, *build_args)
         self._check_capacity(len(reqs))
         if stream:
             return self._stream_async(reqs[0], return_text_in_logprobs)
@@ -151,7 +154,7 @@ class Engine:
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
         except BaseException:
-            for task in tasks:  # cancelling a waiter aborts its request (see _consume_async)
+            for task in tasks:  # cancelling a waiter aborts its request (see _await_one)
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
@@ -250,16 +253,15 @@ class Engine:
             self._send(AbortReq(state.req.rid))
 
     @staticmethod
-    def _drain_until_finished(state: RequestState, sink: queue.Queue, deadline: float | None = None) -> None:
-        while True:
-            try:
-                item = sink.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
-            except queue.Empty:
-                raise TimeoutError(f"request {state.req.rid} did not finish in time") from None
-            if isinstance(item, Exception):
-                raise item
-            if state.finished:
-                return
+    def _wait_result(state: RequestState, sink: queue.Queue, deadline: float | None = None) -> dict[str, Any]:
+        """A request nobody streams puts one item in its sink: the whole result, or the error."""
+        try:
+            item = sink.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
+        except queue.Empty:
+            raise TimeoutError(f"request {state.req.rid} did not finish in time") from None
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     def _stream_sync(self, req: TokenizedGenerateReq, return_text: bool) -> Iterator[dict[str, Any]]:
         sink: queue.Queue = queue.Queue()
@@ -282,9 +284,14 @@ class Engine:
 
     async def _await_one(self, req: TokenizedGenerateReq, return_text: bool) -> dict[str, Any]:
         state, sink = self._submit_async(req, return_text)
-        async for _ in self._consume_async(state, sink):
-            pass
-        return state.result()
+        try:
+            item = await sink.get()  # a request nobody streams delivers one item: the whole result, or the error
+        finally:
+            if not state.finished:  # cancelled: nobody waits any more
+                self._abandon(state)
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     async def _stream_async(self, req: TokenizedGenerateReq, return_text: bool) -> AsyncIterator[dict[str, Any]]:
         state, sink = self._submit_async(req, return_text)

@@ -31,6 +31,9 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     bootstrap: Bootstrap | None = None
+    # A streamed request's outputs go to the engine every step; one nobody streams sends its first tokens (they
+    # time the first token) and then everything else once, when it ends.
+    stream: bool = False
 
 
 @dataclass
@@ -54,7 +57,8 @@ class RpcOut:
 
 @dataclass
 class ReqOutput:
-    """What one scheduler step produced for one request; logprob lists hold only the new entries."""
+    """What a request produced since its last output (one step, or for a request nobody streams, everything after
+    its first tokens); logprob lists hold only those new entries."""
 
     rid: str
     new_token_ids: list[int]

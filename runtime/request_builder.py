@@ -55,7 +55,7 @@ class RequestBuilder:
                     one.sampling_seed = params.sampling_seed + sample
                 request_id = base_rid if single and params.n == 1 else f"{base_rid}-{index}-{sample}"
                 reqs.append(TokenizedGenerateReq(request_id, ids, one, return_logprob, logprob_start_len,
-                                                 top_logprobs_num, paired))
+                                                 top_logprobs_num, paired, stream))
         return reqs, single and params_list[0].n == 1
 
     def _bootstrap(self, fields: dict[str, Any] | None, one_request: bool, params: SamplingParams) -> Bootstrap | None:

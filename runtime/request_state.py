@@ -32,6 +32,8 @@ class RequestState:
         self.created = time.perf_counter()
         # Timing for the server's metrics: when the first output token arrived, and the seconds per token
         # between later arrivals (one sample per output chunk: a jump-forward chunk spreads over its tokens).
+        # A request nobody streams gets two chunks, its first tokens at once and the rest when it ends: each of
+        # those later tokens is one sample of its mean time per token after the first.
         self.first_token_at: float | None = None
         self.inter_token_latencies: list[float] = []
         self.last_token_at = 0.0
@@ -46,7 +48,8 @@ class RequestState:
         return self.finish_reason is not None
 
     def apply(self, out: ReqOutput) -> None:
-        """Fold one scheduler output in, then hand the incremental chunk to the sink."""
+        """Fold one scheduler output in, then hand the sink the incremental chunk (a streamed request) or, once
+        finished, the whole result (a request nobody streams: its sink gets that one item, or an error)."""
         self._time_tokens(len(out.new_token_ids))
         self.output_ids.extend(out.new_token_ids)
         self.finish_reason = out.finish_reason or self.finish_reason
@@ -61,7 +64,10 @@ class RequestState:
             return
         if self.schema is not None and self.schema_checker is not None and out.finish_reason is not None:
             self._check_schema()
-        self.sink(self._chunk(new_logprobs))
+        if self.req.stream:
+            self.sink(self._chunk(new_logprobs))
+        elif self.finished:  # nobody reads a partial result: no decode, no chunk until the whole one
+            self.sink(self.result())
 
     def _check_schema(self) -> None:
         if self.finish_reason.is_abort:  # no finished output to judge
@@ -83,7 +89,8 @@ class RequestState:
         if self.first_token_at is None:
             self.first_token_at = now
         else:
-            self.inter_token_latencies.append((now - self.last_token_at) / count)
+            samples = 1 if self.req.stream else count  # unstreamed, the tokens of one chunk came in steps of their own
+            self.inter_token_latencies.extend([(now - self.last_token_at) / count] * samples)
         self.last_token_at = now
 
     def fail(self, error: Exception) -> None:

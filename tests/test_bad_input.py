@@ -7,7 +7,10 @@ import json
 import pytest
 
 from conftest import EXACT, NO_GRAMMAR
-from furcate import EngineArgs
+from furcate import EngineArgs, gen
+from furcate.grammars import GrammarSpec
+from furcate.interpreter.backends.base import wire_sampling
+from furcate.runtime.sampling.params import SamplingParams
 
 GOOD = {"max_new_tokens": 4, "temperature": 0}
 
@@ -95,6 +98,7 @@ DEEP_TEXT = '{"not": ' * 5000 + "{}" + "}" * 5000
         ({"prompt": "x", "sampling_params": {"regex": 5}}, "regex"),
         ({"prompt": "x", "sampling_params": {"choices": []}}, "choices"),
         ({"prompt": "x", "sampling_params": {"regex": "a", "choices": ["a"]}}, "at most one"),
+        ({"prompt": "x", "sampling_params": {"regex": "a", "grammar": GrammarSpec("regex", "b")}}, "at most one"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "sampling_params": {"stop": ["s"] * 65}}, "at most 64"),
         ({"prompt": ["x"] * 9, "sampling_params": {"n": 1000}}, "at most 8192 requests"),
@@ -224,3 +228,11 @@ def test_a_timeout_aborts_what_is_unfinished(engine):
         time.sleep(0.05)
     assert engine.get_stats()["running"] == 0
     assert len(engine.generate("still serving", GOOD, timeout=60)["output_ids"]) == 4
+
+
+def test_a_grammar_built_by_gen_is_taken_as_built_and_flattened_only_for_the_wire():
+    built = gen("x", json_schema={"type": "object", "properties": {"a": {"type": "integer"}}}).constraint
+    params = SamplingParams.from_dict({"max_new_tokens": 4, "grammar": built})
+    assert params.grammar is built
+    assert wire_sampling({"max_new_tokens": 4, "grammar": built}) == {"max_new_tokens": 4, "json_schema": built.spec}
+    assert SamplingParams.from_dict(wire_sampling({"grammar": built})).grammar == built

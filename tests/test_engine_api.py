@@ -88,3 +88,52 @@ def test_pool_sized_from_memory_then_shutdown_then_generate_raises(tiny_model_di
     assert engine._process.poll() is not None
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate("hi", PARAMS)
+
+
+def test_an_unstreamed_request_reaches_the_engine_twice_and_ends_as_its_stream_does(engine):
+    """Nobody reads a non-streamed request's partial output: its first tokens arrive at once (they time the first
+    token) and the rest when it ends, and its result is what the same request's stream adds up to."""
+    params = {**PARAMS, "max_new_tokens": 12}
+    logprob_args = {"return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    ended = []
+    engine.request_observers.append(ended.append)
+    try:
+        final = engine.generate("the river of stone", params, **logprob_args)
+        chunks = list(engine.generate("the river of stone", params, stream=True, **logprob_args))
+    finally:
+        engine.request_observers.remove(ended.append)
+    unstreamed, streamed = ended
+    # One sample per token after the first either way; unstreamed they are all the one mean of a single arrival.
+    assert unstreamed.first_token_at is not None and len(set(unstreamed.inter_token_latencies)) == 1
+    assert len(unstreamed.inter_token_latencies) == len(streamed.inter_token_latencies) == len(final["output_ids"]) - 1
+    assert chunks[-1]["text"] == final["text"] and chunks[-1]["output_ids"] == final["output_ids"]
+    meta = final["meta_info"]
+    assert meta["finish_reason"] == chunks[-1]["meta_info"]["finish_reason"]
+    assert meta["completion_tokens"] == len(final["output_ids"])
+    assert meta["prompt_tokens"] == chunks[-1]["meta_info"]["prompt_tokens"]
+    for key in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"):
+        joined = [entry for chunk in chunks for entry in chunk["meta_info"][key]]
+        assert len(joined) == len(meta[key]), key
+        assert str(_without_values(joined)) == str(_without_values(meta[key])), key
+
+
+def _without_values(entries: list) -> list:
+    """Logprob triples (or lists of them) with the logprob dropped: token ids and texts compare exactly."""
+    return [entry[1:] if isinstance(entry, tuple) else _without_values(entry or []) for entry in entries]
+
+
+def test_an_aborted_unstreamed_request_returns_the_tokens_it_had(engine):
+    params = {**PARAMS, "max_new_tokens": 300}
+    whole = engine.generate("the river", params)["output_ids"]
+
+    async def run():
+        waiter = asyncio.ensure_future(engine.async_generate("the river", params, rid="unstreamed-abort"))
+        while engine.get_stats()["running"] == 0:  # accepted and decoding: its first tokens are out
+            await asyncio.sleep(0.01)
+        engine.abort("unstreamed-abort")
+        return await waiter
+
+    result = asyncio.run(run())
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert result["output_ids"] == whole[: len(result["output_ids"])]
+    assert len(result["output_ids"]) < 300

@@ -1,7 +1,8 @@
 """The protocol between the interpreter and whatever serves the model.
 
-Only plain data crosses it: a prompt string and a sampling dict in the runtime's field names going in,
-Engine-shaped result dicts (`text`, `output_ids`, `meta_info`) coming back.
+Only plain data crosses it: a prompt string and a sampling dict in the runtime's field names going in (a gen's
+constraint as the GrammarSpec it built, under "grammar"), Engine-shaped result dicts (`text`, `output_ids`,
+`meta_info`) coming back.
 """
 
 from __future__ import annotations
@@ -113,3 +114,13 @@ def first_special_id(bos_token_id: int | None, eos_token_id: int | None) -> int:
 def logprob_values(entries: list, skip: int) -> list[float]:
     """The logprobs of [logprob, token_id, text] entries after the first `skip`, without the null first one."""
     return [entry[0] for entry in entries[skip:] if entry[0] is not None]
+
+
+def wire_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling dict as it goes over HTTP: a built grammar becomes its field (json_schema, regex or ebnf)."""
+    grammar = sampling.get("grammar")
+    if grammar is None:
+        return sampling
+    flat = {key: value for key, value in sampling.items() if key != "grammar"}
+    flat[grammar.kind] = grammar.spec
+    return flat

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from ..chat_template import ChatTemplate
-from .base import TokenScoringBackend, first_special_id
+from .base import TokenScoringBackend, first_special_id, wire_sampling
 from .jinja_template import JinjaTemplateTokenizer
 from .per_loop import PerLoop
 
@@ -86,10 +86,11 @@ class RuntimeEndpoint(TokenScoringBackend):
         return self._template
 
     async def generate(self, prompt: str, sampling: dict[str, Any], **logprob_args: Any) -> dict | list[dict]:
-        return await self._post("/generate", {"text": prompt, "sampling_params": sampling, **logprob_args})
+        return await self._post("/generate", {"text": prompt, "sampling_params": wire_sampling(sampling),
+                                              **logprob_args})
 
     async def generate_stream(self, prompt: str, sampling: dict[str, Any], **logprob_args: Any) -> AsyncIterator[dict]:
-        body = {"text": prompt, "sampling_params": sampling, **logprob_args, "stream": True}
+        body = {"text": prompt, "sampling_params": wire_sampling(sampling), **logprob_args, "stream": True}
         async with self._session().post(self.base_url + "/generate", json=body) as response:
             await self._check(response, "/generate")
             async for chunk in sse_chunks(response):

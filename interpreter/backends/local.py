@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,7 +37,8 @@ class LocalBackend(TokenScoringBackend):
             yield chunk
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
-        return [self.tokenizer.encode(text) for text in texts]
+        # On a worker thread: every program shares this loop, and fast tokenizers release the GIL.
+        return await asyncio.to_thread(lambda: [self.tokenizer.encode(text) for text in texts])
 
     async def prefill_logprobs(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict]:
         return await self.engine.async_generate(input_ids=input_ids, sampling_params={"max_new_tokens": 0},

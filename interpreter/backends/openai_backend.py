@@ -31,7 +31,7 @@ from typing import Any
 from ...grammars.spec import ANY_JSON
 from ...lang.choices import ChoiceScores
 from ..chat_template import ChatTemplate
-from .base import Backend, choice_starts
+from .base import Backend, choice_starts, wire_sampling
 from .jinja_template import JinjaTemplateTokenizer
 from .per_loop import PerLoop
 
@@ -124,6 +124,7 @@ class OpenAI(Backend):
     def _request(self, prompt: str, sampling: dict[str, Any], logprob_args: dict[str, Any]) -> tuple[bool, dict]:
         """Whether the prompt goes to the chat route, and the create() keywords for it."""
         chat = ROLE_START in prompt
+        sampling = wire_sampling(sampling)
         kwargs: dict[str, Any] = {"model": self.model_name}
         if chat:
             kwargs["messages"] = chat_messages(prompt, "a gen")

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...grammars.spec import GrammarSpec
+from ...grammars.spec import KINDS, GrammarSpec
 
 # Below this temperature sampling is argmax, as in SGLang.
 GREEDY_TEMPERATURE = 1e-5
@@ -60,7 +60,10 @@ class SamplingParams:
         if raw is not None and not isinstance(raw, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(raw).__name__}")
         raw = dict(raw or {})
-        known = {f.name for f in dataclasses.fields(cls)} - {"grammar"}  # grammar is derived, never given
+        # grammar is derived from the fields below, except that an in-process caller (the interpreter, whose gen
+        # built and normalized the spec once) may hand over the GrammarSpec itself; no wire format can carry one.
+        built = raw.pop("grammar") if isinstance(raw.get("grammar"), GrammarSpec) else None
+        known = {f.name for f in dataclasses.fields(cls)} - {"grammar"}
         unknown = sorted(str(key) for key in set(raw) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
@@ -78,7 +81,7 @@ class SamplingParams:
         else:
             raw.pop("logit_bias", None)
         params = cls(**raw)
-        params.grammar = GrammarSpec.from_params(params.json_schema, params.regex, params.ebnf, params.choices)
+        params.grammar = _grammar(params, built)
         # The spec now lives in `grammar`; a pydantic class would not survive the trip to the scheduler.
         params.json_schema = params.regex = params.ebnf = params.choices = None
         params.validate()
@@ -144,6 +147,23 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def declared_default(name: str) -> Any:
+    """The default SamplingParams declares for field `name` (None for a list or dict field: empty, nothing to send).
+    The one place sampling defaults live: run() and the CLI read theirs from here."""
+    default = SamplingParams.__dataclass_fields__[name].default
+    return None if default is dataclasses.MISSING else default
+
+
+def _grammar(params: SamplingParams, built: GrammarSpec | None) -> GrammarSpec | None:
+    """The request's one constraint: the spec handed over already built, or built here from its field."""
+    if built is None:
+        return GrammarSpec.from_params(params.json_schema, params.regex, params.ebnf, params.choices)
+    given = [kind for kind in KINDS if getattr(params, kind) is not None]
+    if given:
+        raise ValueError(f"give at most one of a built grammar, json_schema, regex, ebnf, choices; got {given}")
+    return built
 
 
 def _parse_logit_bias(raw: Any) -> dict[int, float]:

@@ -42,6 +42,8 @@ class Req:
     pending: ReqOutput | None = None  # what the next message to the engine will carry
     matcher: Any = None  # grammar state, for constrained requests
     bootstrap: Bootstrap | None = None  # disaggregated serving: where this request's other half is paired
+    stream: bool = False  # the engine reads every step's output (see output_due)
+    first_output_sent: bool = False
 
     @classmethod
     def from_tokenized(cls, req: TokenizedGenerateReq, seed: int, eos_ids: frozenset[int]) -> Req:
@@ -55,6 +57,7 @@ class Req:
             logprob_start_len=req.logprob_start_len,
             top_logprobs_num=req.top_logprobs_num,
             bootstrap=req.bootstrap,
+            stream=req.stream,
         )
 
     @property
@@ -110,6 +113,16 @@ class Req:
         if self.pending is None:
             self.pending = ReqOutput(rid=self.rid, new_token_ids=[])
         return self.pending
+
+    def output_due(self) -> ReqOutput | None:
+        """Takes the pending output if it goes to the engine now, else None. A streamed request sends each step's
+        tokens; one nobody streams sends its first tokens (their arrival is its time to first token) and keeps the
+        rest pending until it ends, so its tokens cross the pipe and get decoded once, not every step."""
+        if self.pending is None or (self.first_output_sent and not self.stream):
+            return None
+        out, self.pending = self.pending, None
+        self.first_output_sent = True
+        return out
 
     def append_token(self, token: int, decode_tail: Callable[[list[int], bool], str], context_length: int) -> None:
         self.output_ids.append(token)

@@ -271,9 +271,8 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished]
         self.waiting = [r for r in self.waiting if not r.finished]
         for req in self.running:
-            if req.pending is not None:
-                self.outputs.append(req.pending)
-                req.pending = None
+            if (out := req.output_due()) is not None:
+                self.outputs.append(out)
 
     def take_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         req.append_token(token, self.decode_tail, self.runner.context_length)
@@ -340,8 +339,8 @@ class Scheduler:
             self.finish(req, req.finish_reason)
             return
         self.running.append(req)
-        self.outputs.append(req.pending)  # the first token goes out now, not with the next step's
-        req.pending = None
+        if (out := req.output_due()) is not None:  # the first token goes out now, not with the next step's
+            self.outputs.append(out)
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason

@@ -12,7 +12,7 @@ fresh process and the arms take turns; the report gives medians. Every arm's gre
 and text, or the run fails. On a loaded machine the scheduler's CPU is noisy (its torch threads spin while a peer
 is descheduled); the engine's is not.
 
-    python -m furcate.benchmarks.engine_overhead [--before /path/to/main/checkout] [--rounds 3]
+    python -m benchmarks.engine_overhead [--before /path/to/main/checkout] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def cpu_flags() -> list[str]:
 
 def build_model(scratch: pathlib.Path) -> str:
     from furcate.runtime.model.default_model import prepare_default_model
-    from furcate.tests.tiny_models import build_tiny_model
+    from tests.tiny_models import build_tiny_model  # run from the repository root, like every benchmark
 
     return str(build_tiny_model("llama", scratch / "tiny-llama", prepare_default_model()))
 

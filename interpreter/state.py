@@ -79,7 +79,7 @@ class ProgramState(BuildingMethods):
         value = self.get_var(name)
         return parse_value(value, type if type is not None else self.executor.output_types.get(name))
 
-    async def aget(self, name: str | None, type: Any = None) -> Any:  # noqa: A002
+    async def aget(self, name: str | None, type: Any = None) -> Any:  # noqa: A002 - get()'s SGLang-compatible name
         """Async twin of get(): awaits without blocking the caller's event loop."""
         if self.executor.future_of(name) is None:
             await asyncio.to_thread(self.executor.wait_for_body)

@@ -15,7 +15,7 @@ from processes import descendants, free_port, start_router
 
 pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency (pip install -e '.[dev]')")
 try:
-    from mooncake.engine import TransferEngine  # noqa: F401
+    from mooncake.engine import TransferEngine  # noqa: F401 - imported only to learn whether it loads
 except ImportError as error:  # the wheel loads libibverbs even for TCP
     pytest.skip(f"Mooncake's transfer engine is not usable here ({error}); pip install -e '.[dev]' and "
                 f"apt-get install libibverbs1 libnl-route-3-200", allow_module_level=True)

@@ -87,7 +87,9 @@ def test_batched_draws_follow_each_rows_filtered_distribution():
         expected = _expected(torch.softmax(logits[r], -1), **filters)
         freq = torch.bincount(draws[:, r], minlength=1000).float() / len(draws)
         # The five boosted tokens one by one, the long tail as one bin (995 bins of 3 draws would be noise).
-        binned = lambda p: torch.cat([p[:5], p[5:].sum(0, keepdim=True)])  # noqa: E731
+        def binned(p: torch.Tensor) -> torch.Tensor:
+            return torch.cat([p[:5], p[5:].sum(0, keepdim=True)])
+
         assert (binned(freq) - binned(expected)).abs().max() < 0.03, (filters, binned(freq), binned(expected))
         assert expected[draws[:, r]].min() > 0, "a filtered-out token was drawn"
 

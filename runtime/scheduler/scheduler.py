@@ -35,6 +35,7 @@ from .rpc import SchedulerRpc
 
 logger = logging.getLogger("furcate.scheduler")
 
+
 class Scheduler:
     """Owns the request queues and the loop; plug-ins (plugins.py) hold requests outside its queues."""
 

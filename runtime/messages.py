@@ -82,6 +82,7 @@ class SchedulerReady:
     vocab_size: int
     dtype: str = "float32"  # what dtype="auto" resolved to
     quantized_layers: int = 0  # linear layers running on quantized kernels
+    quantized_max_rows: int = 0  # for forwards of up to this many rows (-1: every forward); measured (auto)
     disaggregation_mode: str = "null"
     tp_size: int = 1  # processes the model is split over (tensor parallelism)
 

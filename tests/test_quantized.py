@@ -14,7 +14,9 @@ from conftest import NO_GRAMMAR, assert_pool_free, engines_side_by_side
 from furcate import Engine
 from furcate.runtime.model.default_model import find_default_gguf, prepare_user_gguf
 from furcate.runtime.model.gguf_names import hf_name, unpermute_rope
-from furcate.runtime.model.quantize import gguf_block_weights
+from furcate.runtime.model.kernel_choice import ROW_LADDER, small_batch_rows
+from furcate.runtime.model.loader import load_model
+from furcate.runtime.model.quantize import gguf_block_weights, measured_rows, timed_layer
 from furcate.runtime.model.quantized import Int4Linear, Int8Linear, SmallBatchQuantized, read_blocks
 from tiny_gguf import HEADS, KV_HEADS, QUANTIZED_LAYERS, build_tiny_gguf
 
@@ -77,6 +79,31 @@ def test_small_batches_take_the_quantized_kernel_and_larger_ones_the_dense_layer
     small, large = torch.randn(8, 64), torch.randn(9, 64)
     assert torch.equal(layer(small), layer.quantized(small))
     assert torch.equal(layer(large), dense(large))
+
+
+class Twice(torch.nn.Module):
+    """A layer that does the dense layer's work twice: slower than it at every size."""
+
+    def __init__(self, dense: torch.nn.Linear) -> None:
+        super().__init__()
+        self.dense = dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.dense(x))
+
+
+def test_auto_measures_which_batch_sizes_the_quantized_kernel_serves():
+    dense = torch.nn.Linear(1024, 1024, bias=False)
+    # A kernel always slower than the dense layer serves no batch; one always far faster serves every rung.
+    assert small_batch_rows(Twice(dense), dense) == 0
+    assert small_batch_rows(torch.nn.Linear(1024, 16, bias=False), dense) == ROW_LADDER[-1]
+
+
+def test_auto_times_the_default_models_int4_mlp_kernel(default_model_dir):
+    model = load_model(str(default_model_dir), torch.float32)
+    blocks = gguf_block_weights(find_default_gguf())
+    assert timed_layer(model, blocks) == "model.layers.0.mlp.gate_up_proj"
+    assert measured_rows(model, blocks) in (0, *ROW_LADDER)
 
 
 def _prompt_logprobs(engine: Engine, ids: list[int]) -> torch.Tensor:

@@ -11,11 +11,16 @@ from torch import nn
 from .decoder import STACKED, DecoderForCausalLM
 from .default_model import gguf_source
 from .gguf_names import hf_name, rope_row_order
-from .loader import cpu_has_native_bf16
-from .quantized import SUPPORTED_TYPES, BlockWeights, SmallBatchQuantized, quantized_linear, read_blocks, stack_rows
-
-# Rows up to which the quantized kernels beat bfloat16 matmuls (benchmarks: int4 at 8 rows ~ dense).
-SMALL_BATCH_ROWS = 8
+from .kernel_choice import small_batch_rows
+from .quantized import (
+    SUPPORTED_TYPES,
+    BlockWeights,
+    QuantizedModel,
+    SmallBatchQuantized,
+    quantized_linear,
+    read_blocks,
+    stack_rows,
+)
 
 # Fused parameter -> the checkpoint projections it holds, in shard order.
 FUSED_PARTS = {fused: [proj for proj, (target, _) in sorted(STACKED.items(), key=lambda kv: kv[1][1])
@@ -56,39 +61,63 @@ def source_tensors(model: DecoderForCausalLM, module_name: str) -> list[str]:
     return [f"{module_name}.weight"]
 
 
-def quantize_model(model: DecoderForCausalLM, blocks: dict[str, BlockWeights], keep_dense: bool) -> list[str]:
+def quantize_model(model: DecoderForCausalLM, blocks: dict[str, BlockWeights], dense_above: int | None) -> list[str]:
     """Swap in quantized layers where every source tensor is quantized; the names of the layers swapped.
-    A tied LM head gets its own quantized copy; the embedding lookup keeps the float table. keep_dense: the
-    float layer stays beside the quantized one and serves batches of more than SMALL_BATCH_ROWS rows."""
+    A tied LM head gets its own quantized copy; the embedding lookup keeps the float table. dense_above: the
+    float layer stays beside the quantized one and serves batches of more rows than this; None: quantized alone."""
     swapped = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        sources = source_tensors(model, name)
-        # A fused layer whose parts differ in type (llama.cpp's mixed Q4_K_M files) stays dense.
-        if not all(s in blocks for s in sources) or len({blocks[s].kind for s in sources}) != 1:
-            continue
-        quantized = quantized_linear(stack_rows([blocks[s] for s in sources]), module.bias)
-        if keep_dense:
-            quantized = SmallBatchQuantized(quantized, module, SMALL_BATCH_ROWS)
+    for name, module in quantizable_layers(model, blocks):
+        quantized = quantized_linear(stack_rows([blocks[s] for s in source_tensors(model, name)]), module.bias)
+        if dense_above is not None:
+            quantized = SmallBatchQuantized(quantized, module, dense_above)
         model.set_submodule(name, quantized)
         swapped.append(name)
     return swapped
 
 
-def apply_quantization(model: DecoderForCausalLM, quantization: str, model_dir: str) -> list[str]:
+def quantizable_layers(model: DecoderForCausalLM, blocks: dict[str, BlockWeights]) -> list[tuple[str, nn.Linear]]:
+    """The linear layers whose source tensors are all quantized, of one type."""
+    found = []
+    for name, module in model.named_modules():
+        sources = source_tensors(model, name) if isinstance(module, nn.Linear) else []
+        # A fused layer whose parts differ in type (llama.cpp's mixed Q4_K_M files) stays dense.
+        if sources and all(s in blocks for s in sources) and len({blocks[s].kind for s in sources}) == 1:
+            found.append((name, module))
+    return found
+
+
+def measured_rows(model: DecoderForCausalLM, blocks: dict[str, BlockWeights]) -> int:
+    """quantization=auto: up to how many rows the quantized kernel beat the dense one on this CPU (0: never)."""
+    name = timed_layer(model, blocks)
+    if name is None:
+        return 0
+    dense = model.get_submodule(name)
+    quantized = quantized_linear(stack_rows([blocks[s] for s in source_tensors(model, name)]), dense.bias)
+    return small_batch_rows(quantized, dense)
+
+
+def timed_layer(model: DecoderForCausalLM, blocks: dict[str, BlockWeights]) -> str | None:
+    """The largest quantizable layer below the LM head (an MLP's, which dominates a step's weight reads)."""
+    layers = [(n, m) for n, m in quantizable_layers(model, blocks) if n != "lm_head"]
+    return max(layers, key=lambda item: item[1].weight.numel())[0] if layers else None
+
+
+def apply_quantization(model: DecoderForCausalLM, quantization: str, model_dir: str) -> QuantizedModel:
     """gguf: a model converted from a GGUF runs its quantized tensors on the quantized kernels alone (the least
-    memory); auto: where the CPU has native bfloat16 (the kernels' fast path), the quantized kernels serve small
-    batches and the dense layers the rest (the fastest at every batch size, at 1.25x the dense weights' memory;
-    a tied LM head shares the embedding); none: every weight dequantized to the engine's dtype."""
+    memory); auto: the quantized kernels serve the batch sizes where they measured faster than the dense layers
+    on this CPU (kernel_choice.py), the dense layers the rest (at 1.25x the dense weights' memory; a tied LM head
+    shares the embedding), and nothing is quantized where they never won; none: every weight dequantized to the
+    engine's dtype."""
     if quantization == "none":
-        return []
+        return QuantizedModel()
     gguf = gguf_source(model_dir)
     if gguf is None:
         if quantization == "gguf":
             raise ValueError(f"quantization='gguf' needs a model given as a .gguf file (or 'default'); "
                              f"{model_dir} is a plain model directory")
-        return []
-    if quantization == "auto" and not cpu_has_native_bf16():
-        return []
-    return quantize_model(model, gguf_block_weights(gguf), keep_dense=quantization == "auto")
+        return QuantizedModel()
+    blocks = gguf_block_weights(gguf)
+    if quantization == "gguf":
+        return QuantizedModel(quantize_model(model, blocks, dense_above=None), -1)
+    rows = measured_rows(model, blocks)
+    return QuantizedModel(quantize_model(model, blocks, dense_above=rows), rows) if rows else QuantizedModel()

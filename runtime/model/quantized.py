@@ -10,7 +10,7 @@ kernels' fast path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -115,8 +115,9 @@ def quantized_linear(weights: BlockWeights, bias: torch.Tensor | None) -> nn.Mod
 
 class SmallBatchQuantized(nn.Module):
     """The quantized kernel for up to `max_rows` rows, the dense layer above: torch's int4/int8 kernels beat a
-    bfloat16 matmul only for a handful of rows (on an avx512_bf16 core, int4 was 2.4x at 1 row, even at 8 and
-    1.7x slower at 24), so decode of small batches reads 4-bit weights while prefill and big batches stay dense."""
+    dense matmul only for a handful of rows (on an avx512_bf16 core int4 was 2.4x faster at 1 row, even at 8 and
+    1.7x slower at 24), so decode of small batches reads 4-bit weights while prefill and big batches stay dense.
+    quantization=auto measures max_rows on the CPU it runs on (kernel_choice.py)."""
 
     def __init__(self, quantized: nn.Module, dense: nn.Module, max_rows: int) -> None:
         super().__init__()
@@ -125,3 +126,11 @@ class SmallBatchQuantized(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         return self.quantized(x) if rows <= self.max_rows else self.dense(x)
+
+
+@dataclass(frozen=True)
+class QuantizedModel:
+    """What apply_quantization swapped: the layers, and the most rows a forward runs them for (-1: every batch)."""
+
+    layers: list[str] = field(default_factory=list)
+    max_rows: int = 0

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from ..attention.base import ForwardBatch, ModelAttention
 from ..attention.select import make_attention_backend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from ..compiled_decode import CompiledDecode
 from ..config import EngineArgs
 from ..cuda_graph import capture_batch_sizes
 from ..cuda_graph_runner import CudaGraphRunner, supports_cuda_graphs
@@ -26,6 +27,7 @@ from ..distributed.parallel_state import TensorParallel
 from ..distributed.spawn import Spawned, spawn_followers
 from ..model.layers import attention_shape
 from ..model.loader import load_config, load_model, resolve_dtype
+from ..model.quantized import QuantizedModel
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
@@ -89,7 +91,7 @@ class ModelRunner:
 
     def _load(self, args: EngineArgs, model_path: str) -> None:
         self.model = load_model(model_path, self.dtype, args.device, self.tp)
-        self.quantized_layers: list[str] = []
+        self.quantized = QuantizedModel()
         # The GGUF kernels hold whole tensors, so a split model runs dense (config refuses an explicit "gguf"); they
         # are CPU kernels, so a GPU runs dense weights too.
         if args.quantization == "gguf" and args.device != "cpu":
@@ -98,7 +100,7 @@ class ModelRunner:
         if args.quantization != "none" and self.tp.size == 1 and args.device == "cpu":
             from ..model.quantize import apply_quantization  # gguf and its readers: not worth importing otherwise
 
-            self.quantized_layers = apply_quantization(self.model, args.quantization, model_path)
+            self.quantized = apply_quantization(self.model, args.quantization, model_path)
         attn = self.model.model.layers[0].self_attn  # this rank's KV heads
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length + 1)
         self.kv_pool = TokenToKVPool(
@@ -111,12 +113,16 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
         self.forward_calls = 0
+        self.graph_calls = 0  # forwards that replayed a CUDA graph or ran the compiled decode step
         self.device = args.device
         self.forward_stream = torch.cuda.Stream(args.device) if args.device.startswith("cuda") else None
 
-    def _capture_graphs(self, args: EngineArgs) -> CudaGraphRunner | None:
+    def _capture_graphs(self, args: EngineArgs) -> CudaGraphRunner | CompiledDecode | None:
         """Decode CUDA graphs on a GPU, unless disabled; not under tensor parallelism (each rank would need its own
-        graphs replayed in step) nor with a backend whose metadata has no fixed buffers (torch_native)."""
+        graphs replayed in step) nor with a backend whose metadata has no fixed buffers (torch_native). On CPU,
+        the compiled decode step when enabled."""
+        if args.enable_torch_compile and args.device == "cpu":
+            return self._compiled_decode(args)
         sizes = capture_batch_sizes(args)
         if not sizes or self.tp.size > 1 or not supports_cuda_graphs(self.attn_backend):
             if sizes:
@@ -124,6 +130,13 @@ class ModelRunner:
                                else f"attention backend {type(self.attn_backend).__name__} cannot be captured")
             return None
         return CudaGraphRunner(self.model, self.attn_backend, sizes, self.req_pool, self.kv_pool, args.device)
+
+    def _compiled_decode(self, args: EngineArgs) -> CompiledDecode | None:
+        if self.tp.size > 1:  # the ranks' all-reduces would have to be traced in step on every rank
+            logger.warning("decode runs without torch.compile under tensor parallelism")
+            return None
+        return CompiledDecode(self.model, self.req_pool, self.kv_pool,
+                              min(args.torch_compile_max_bs, args.max_running_requests))
 
     def _tokens_from_memory(self, args: EngineArgs, model_path: str) -> int:
         _, num_kv_heads, head_dim = attention_shape(self.config)
@@ -173,6 +186,7 @@ class ModelRunner:
         self.followers.run_step(forward, rows)
         if self.graphs is not None and self.graphs.can_replay(forward):
             logits = self.graphs.replay(forward)[rows]
+            self.graph_calls += 1
         else:
             logits = self.run_forward(forward, rows)
         self.forward_seconds += time.perf_counter() - started

@@ -32,6 +32,7 @@ class SchedulerRpc:
         stats = {
             "forward_seconds": runner.forward_seconds,
             "forward_calls": runner.forward_calls,
+            "graph_forward_calls": runner.graph_calls,
             "kv_available": runner.kv_pool.available_size(),
             "max_total_tokens": runner.max_total_tokens,
             "evictable_tokens": s.cache.evictable_size(),

@@ -75,7 +75,8 @@ class Scheduler:
             context_length=self.runner.context_length,
             vocab_size=self.runner.vocab_size,
             dtype=str(self.runner.dtype).removeprefix("torch."),
-            quantized_layers=len(self.runner.quantized_layers),
+            quantized_layers=len(self.runner.quantized.layers),
+            quantized_max_rows=self.runner.quantized.max_rows,
             disaggregation_mode=self.args.disaggregation_mode,
             tp_size=self.runner.tp.size,
         )

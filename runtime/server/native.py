@@ -137,6 +137,7 @@ async def get_server_info(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__, **dataclasses.asdict(engine.args), **settings,
                               "model_path": engine.model_path, "max_total_num_tokens": engine.info.max_total_tokens,
                               "resolved_dtype": engine.info.dtype, "quantized_layers": engine.info.quantized_layers,
+                              "quantized_max_rows": engine.info.quantized_max_rows,
                               "internal_states": [stats]})
 
 

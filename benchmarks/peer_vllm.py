@@ -56,7 +56,8 @@ class VllmRunner:
                 "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
                 "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
                 "enforce_eager": config.model_config.enforce_eager,
-                "compilation_mode": str(compilation.mode), "compilation_backend": compilation.backend,
+                "compilation_mode": getattr(compilation.mode, "name", str(compilation.mode)),
+                "compilation_backend": compilation.backend,
                 "executor": config.parallel_config.distributed_executor_backend}
 
 

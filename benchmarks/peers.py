@@ -322,17 +322,29 @@ def vllm_python(given: str | None) -> str | None:
     return python if probe.returncode == 0 else None
 
 
-def vllm_settings(models: dict, precision: str, threads: int) -> dict:
+def vllm_preload(python: str) -> str:
+    """TCMalloc and the venv's Intel OpenMP, preloaded as vLLM's CPU docs set it up (its worker warns that
+    performance suffers without them); whichever of the two is present."""
+    candidates = [pathlib.Path(f"/{lib}/x86_64-linux-gnu/libtcmalloc_minimal.so.4") for lib in ("lib", "usr/lib")]
+    tcmalloc = next((str(path) for path in candidates if path.exists()), None)
+    iomp = pathlib.Path(python).parents[1] / "lib" / "libiomp5.so"
+    return ":".join(lib for lib in (tcmalloc, str(iomp) if iomp.exists() else None) if lib)
+
+
+def vllm_settings(python: str, models: dict, precision: str, threads: int) -> dict:
     """What the vLLM worker is given: the cores its OpenMP threads are bound to (the first `threads` this
     process may run on; an explicit list, since vLLM's default "auto" binds one core fewer than the NUMA node
     has, reserving one for its engine-core process), and a KV cache of MAX_TOKENS tokens in bytes (the
     VLLM_CPU_KVCACHE_SPACE variable takes whole GiB and is legacy in this version, kv_cache_memory_bytes is
-    exact) with max_model_len cut to that (Llama 3.2's 131072 would not fit it)."""
+    exact) with max_model_len cut to that (Llama 3.2's 131072 would not fit it); LD_PRELOAD as vllm_preload."""
     fields = gguf_facts(models["ggufs"]["source"])["fields"]
     head_dim = fields["llama.embedding_length"] // fields["llama.attention.head_count"]
     per_token = 2 * fields["llama.block_count"] * fields["llama.attention.head_count_kv"] * head_dim
     cores = sorted(os.sched_getaffinity(0))[:threads]
-    return {"env": {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores)},
+    env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores)}
+    if preload := vllm_preload(python):
+        env["LD_PRELOAD"] = preload
+    return {"env": env,
             "kv_cache_bytes": MAX_TOKENS * per_token * (4 if precision == "float32" else 2),
             "max_model_len": min(fields["llama.context_length"], MAX_TOKENS)}
 
@@ -534,7 +546,7 @@ def run_all(args: argparse.Namespace, models: dict, workloads_file: pathlib.Path
             if system == "vllm" and python is None:
                 results[precision][system] = {"status": "not installed"}
             elif system == "vllm":
-                settings[precision] = vllm_settings(models, precision, args.threads)
+                settings[precision] = vllm_settings(python, models, precision, args.threads)
                 results[precision][system] = run_vllm(python, spec, workloads_file, settings[precision])
             else:
                 results[precision][system] = run_worker(spec, workloads_file)

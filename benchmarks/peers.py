@@ -473,6 +473,10 @@ def markdown(report: dict) -> str:
         lines.append(f"| {key} | {share['bytes_per_token'] / 1e6:.1f} | {share['tok_s']:.1f} | {share['gb_s']:.2f} "
                      f"| {share['share']:.0%} |")
     lines += ["", "## Engines", ""]
+    for precision, settings in report["vllm_settings"].items():
+        lines.append(f"- {precision} vllm given: environment {json.dumps(settings['env'])}, kv_cache_memory_bytes "
+                     f"{settings['kv_cache_bytes']} ({MAX_TOKENS} tokens), max_model_len {settings['max_model_len']}, "
+                     "enable_prefix_caching True, seed 0; the rest vLLM's defaults")
     for precision, engines in report["engines"].items():
         for system, engine in engines.items():
             lines.append(f"- {precision} {system}: {json.dumps(engine)}")

@@ -336,7 +336,9 @@ def vllm_settings(python: str, models: dict, precision: str, threads: int) -> di
     process may run on; an explicit list, since vLLM's default "auto" binds one core fewer than the NUMA node
     has, reserving one for its engine-core process), and a KV cache of MAX_TOKENS tokens in bytes (the
     VLLM_CPU_KVCACHE_SPACE variable takes whole GiB and is legacy in this version, kv_cache_memory_bytes is
-    exact) with max_model_len cut to that (Llama 3.2's 131072 would not fit it); LD_PRELOAD as vllm_preload."""
+    exact) with max_model_len cut to half of it where the model allows more (Llama 3.2's 131072 would not fit,
+    and vLLM keeps a block of the cache to itself, so a request of all 24576 tokens would not either);
+    LD_PRELOAD as vllm_preload."""
     fields = gguf_facts(models["ggufs"]["source"])["fields"]
     head_dim = fields["llama.embedding_length"] // fields["llama.attention.head_count"]
     per_token = 2 * fields["llama.block_count"] * fields["llama.attention.head_count_kv"] * head_dim
@@ -346,7 +348,7 @@ def vllm_settings(python: str, models: dict, precision: str, threads: int) -> di
         env["LD_PRELOAD"] = preload
     return {"env": env,
             "kv_cache_bytes": MAX_TOKENS * per_token * (4 if precision == "float32" else 2),
-            "max_model_len": min(fields["llama.context_length"], MAX_TOKENS)}
+            "max_model_len": min(fields["llama.context_length"], MAX_TOKENS // 2)}
 
 
 def run_vllm(python: str, spec: dict, workloads_file: pathlib.Path, settings: dict) -> dict:

@@ -69,9 +69,17 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def own_pids() -> list[int]:
-    """This process and its children (furcate's scheduler process)."""
-    children = [pathlib.Path(f).read_text().split() for f in glob.glob("/proc/self/task/*/children")]
-    return [os.getpid(), *(int(pid) for pids in children for pid in pids)]
+    """This process and its descendants (furcate's scheduler process; vLLM's engine core and, under it, its
+    worker, which a children-only list would count as another process's load)."""
+    pids, index = [os.getpid()], 0
+    while index < len(pids):
+        for path in glob.glob(f"/proc/{pids[index]}/task/*/children"):
+            try:
+                pids += [int(pid) for pid in pathlib.Path(path).read_text().split()]
+            except OSError:  # the process or thread ended meanwhile
+                pass
+        index += 1
+    return pids
 
 
 class CpuMeter:

@@ -1,4 +1,5 @@
-"""furcate, llama.cpp and HF transformers side by side on CPU: same weights, same thread count, one run.
+"""furcate, llama.cpp, vLLM (its CPU build) and HF transformers side by side on CPU: same weights, same thread
+count, one run.
 
 Each (system, precision) runs in its own process, one after another, through three workloads:
   offline        32 chat prompts of 20-400 tokens, 64 greedy output tokens each, all submitted at once
@@ -6,12 +7,21 @@ Each (system, precision) runs in its own process, one after another, through thr
   shared_prefix  4 groups x 8 prompts, a 512-token system prompt per group, 32-token questions, 32 tokens out
 
 Precision pairs: float32 (llama.cpp: an F32 GGUF), bfloat16 (a BF16 GGUF) and quantized (furcate's defaults on
-the embedded Q4_1 GGUF: int4 kernels for small batches; llama.cpp: that same file). The float GGUFs are the
-embedded GGUF's weights dequantized, so all three systems hold the same numbers. llama.cpp runs batched on its
-low-level API (peer_llama_cpp.py) and shares each group's system prompt through its KV cells; HF runs static
-left-padded batches of 16 without prefix sharing, in float32 and bfloat16 only (it has no Q4_1 kernels).
+the model's Q4 GGUF: int4 kernels for small batches; llama.cpp: that same file). The float GGUFs are the Q4
+GGUF's weights dequantized, so every system holds the same numbers. llama.cpp runs batched on its low-level API
+(peer_llama_cpp.py) and shares each group's system prompt through its KV cells; vLLM (peer_vllm.py, run with
+its own venv's interpreter) gets the prompts as token ids with prefix caching on and otherwise its defaults; HF
+runs static left-padded batches of 16 without prefix sharing. vLLM and HF load furcate's HF-directory conversion
+of the GGUF, in float32 and bfloat16 only: neither has kernels for GGUF Q4_0/Q4_1 blocks.
 
-    python -m benchmarks.peers [--threads 2] [--precisions float32,bfloat16,quantized]
+Models (--model-shape): 135m, the embedded SmolLM2-135M-Instruct (Q4_1); 1b, a Llama-3.2-1B-shaped model with
+random weights built once into the bench cache (peer_models.py; Q4_0, or Q4_1 with --quant-type), reported in
+peers_1b.*. Each report also carries the CPU flags, the load average before the run, the CPU time other
+processes took during each timing, a memory bandwidth probe, and for decode_b1 the share of that bandwidth each
+system reached reading its weights once per token. --quick shrinks every workload to a smoke test.
+
+    python -m benchmarks.peers [--model-shape 135m|1b] [--threads 2] [--precisions float32,bfloat16,quantized]
+                               [--systems furcate,llama.cpp,vllm,hf] [--vllm-python PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -29,29 +39,41 @@ import time
 RESULTS = pathlib.Path(__file__).parent / "results"
 REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]  # where `python -m benchmarks.peers` resolves
 BENCH_CACHE = pathlib.Path(os.environ.get("FURCATE_CACHE") or "~/.cache/furcate").expanduser() / "bench"
-SYSTEMS = ("furcate", "llama.cpp", "hf")
+DEFAULT_VLLM_PYTHON = pathlib.Path("/work/vllm_venv/bin/python")
+SYSTEMS = ("furcate", "llama.cpp", "vllm", "hf")
+WORKLOADS = ("offline", "decode_b1", "shared_prefix")
+# Per precision: furcate's engine arguments, the GGUF llama.cpp reads ("source": the model's own Q4 file) and
+# the dtype vLLM and HF load the HF directory in (None: no such row).
 PRECISIONS = {
-    "float32": {"furcate": {"dtype": "float32", "quantization": "none"}, "llama.cpp": "F32", "hf": "float32"},
-    "bfloat16": {"furcate": {"dtype": "bfloat16", "quantization": "none"}, "llama.cpp": "BF16", "hf": "bfloat16"},
-    "quantized": {"furcate": {}, "llama.cpp": "Q4_1", "hf": None},
+    "float32": {"furcate": {"dtype": "float32", "quantization": "none"}, "llama.cpp": "F32", "vllm": "float32",
+                "hf": "float32"},
+    "bfloat16": {"furcate": {"dtype": "bfloat16", "quantization": "none"}, "llama.cpp": "BF16", "vllm": "bfloat16",
+                 "hf": "bfloat16"},
+    "quantized": {"furcate": {}, "llama.cpp": "source", "vllm": None, "hf": None},
 }
-OFFLINE = {"num_prompts": 32, "prompt_range": (20, 400), "output_len": 64, "seed": 0}
-DECODE = {"prompt_len": 120, "output_len": 128}
-SHARED = {"groups": 4, "per_group": 8, "system_len": 512, "question_len": 32, "output_len": 32, "seed": 1}
+SIZES = {"offline": {"num_prompts": 32, "prompt_range": (20, 400), "output_len": 64, "seed": 0},
+         "decode_b1": {"prompt_len": 120, "output_len": 128},
+         "shared_prefix": {"groups": 4, "per_group": 8, "system_len": 512, "question_len": 32, "output_len": 32,
+                           "seed": 1}}
+QUICK_SIZES = {"offline": {"num_prompts": 4, "prompt_range": (20, 100), "output_len": 8, "seed": 0},
+               "decode_b1": {"prompt_len": 32, "output_len": 8},
+               "shared_prefix": {"groups": 2, "per_group": 2, "system_len": 64, "question_len": 8, "output_len": 8,
+                                 "seed": 1}}
 HF_BATCH = 16
-MAX_TOKENS = 24576  # KV capacity every system gets (furcate pool tokens, llama.cpp n_ctx)
+MAX_TOKENS = 24576  # KV capacity every system gets (furcate pool tokens, llama.cpp n_ctx, vLLM KV bytes)
 
 
-def build_workloads(tokenizer) -> dict:
+def build_workloads(tokenizer, sizes: dict) -> dict:
     from .offline_throughput import build_prompt, build_workload
     from .shared_prefix import build_workload as shared_workload
 
-    offline = build_workload(tokenizer, OFFLINE["num_prompts"], OFFLINE["seed"], OFFLINE["prompt_range"],
-                             (OFFLINE["output_len"], OFFLINE["output_len"]))
-    decode = build_prompt(tokenizer, random.Random(7), DECODE["prompt_len"])
-    shared = shared_workload(tokenizer, SHARED["groups"], SHARED["per_group"], SHARED["system_len"],
-                             SHARED["question_len"], SHARED["seed"])
-    return {"offline": offline.prompts, "decode_b1": decode, "shared_prefix": shared}
+    offline, decode, shared = sizes["offline"], sizes["decode_b1"], sizes["shared_prefix"]
+    prompts = build_workload(tokenizer, offline["num_prompts"], offline["seed"], tuple(offline["prompt_range"]),
+                             (offline["output_len"], offline["output_len"])).prompts
+    return {"offline": prompts,
+            "decode_b1": build_prompt(tokenizer, random.Random(7), decode["prompt_len"]),
+            "shared_prefix": shared_workload(tokenizer, shared["groups"], shared["per_group"], shared["system_len"],
+                                             shared["question_len"], shared["seed"])}
 
 
 # --- workers: each runs in its own process -------------------------------------------------------------------
@@ -67,9 +89,9 @@ def timed(fn):
 def furcate_worker(spec: dict, workloads: dict) -> dict:
     from furcate import Engine
 
-    threads, results = spec["threads"], {}
-    with Engine("default", torch_num_threads=threads, max_total_tokens=MAX_TOKENS, max_running_requests=64,
-                **PRECISIONS[spec["precision"]]["furcate"]) as engine:
+    threads, sizes, results = spec["threads"], spec["sizes"], {}
+    with Engine(spec["furcate_model"], torch_num_threads=threads, max_total_tokens=MAX_TOKENS,
+                max_running_requests=64, **PRECISIONS[spec["precision"]]["furcate"]) as engine:
         results["engine"] = {"dtype": engine.info.dtype, "quantized_layers": engine.info.quantized_layers}
 
         def run(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -77,7 +99,8 @@ def furcate_worker(spec: dict, workloads: dict) -> dict:
             return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
         run(workloads["offline"][:2], 4)
-        for name, n in (("offline", OFFLINE["output_len"]), ("shared_prefix", SHARED["output_len"])):
+        for name in ("offline", "shared_prefix"):
+            n = sizes[name]["output_len"]
             assert engine.flush_cache()
             outputs, seconds, foreign = timed(lambda name=name, n=n: run(workloads[name], n))
             results[name] = summary(outputs, seconds, foreign)
@@ -85,27 +108,32 @@ def furcate_worker(spec: dict, workloads: dict) -> dict:
         def decode(n: int) -> list[list[int]]:
             assert engine.flush_cache()  # the prompt is prefilled in both timings
             return run([workloads["decode_b1"]], n)
-        results["decode_b1"] = decode_summary(decode)
+        results["decode_b1"] = decode_summary(decode, sizes["decode_b1"]["output_len"])
     return results
 
 
 def llama_worker(spec: dict, workloads: dict) -> dict:
     from .peer_llama_cpp import LlamaCppBatched
 
-    runner = LlamaCppBatched(spec["gguf"], spec["threads"], MAX_TOKENS, n_seq=OFFLINE["num_prompts"])
+    sizes = spec["sizes"]
+    n_seq = max(sizes["offline"]["num_prompts"], sizes["shared_prefix"]["groups"] * sizes["shared_prefix"]["per_group"])
+    runner = LlamaCppBatched(spec["gguf"], spec["threads"], MAX_TOKENS, n_seq=n_seq)
     results = {"engine": {"gguf": pathlib.Path(spec["gguf"]).name}}
     try:
         runner.generate(workloads["offline"][:2], 4)
-        outputs, seconds, foreign = timed(lambda: runner.generate(workloads["offline"], OFFLINE["output_len"]))
+        n = sizes["offline"]["output_len"]
+        outputs, seconds, foreign = timed(lambda: runner.generate(workloads["offline"], n))
         results["offline"] = summary(outputs, seconds, foreign)
-        order, shared = group_order(workloads["shared_prefix"])
+        order, shared = group_order(workloads["shared_prefix"], sizes["shared_prefix"]["system_len"])
         prompts = [workloads["shared_prefix"][i] for i in order]
-        grouped, seconds, foreign = timed(lambda: runner.generate(prompts, SHARED["output_len"], shared))
+        n = sizes["shared_prefix"]["output_len"]
+        grouped, seconds, foreign = timed(lambda: runner.generate(prompts, n, shared))
         outputs = [None] * len(order)
         for position, i in enumerate(order):
             outputs[i] = grouped[position]
         results["shared_prefix"] = summary(outputs, seconds, foreign)
-        results["decode_b1"] = decode_summary(lambda n: runner.generate([workloads["decode_b1"]], n))
+        results["decode_b1"] = decode_summary(lambda n: runner.generate([workloads["decode_b1"]], n),
+                                              sizes["decode_b1"]["output_len"])
     finally:
         runner.close()
     return results
@@ -115,14 +143,12 @@ def hf_worker(spec: dict, workloads: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from furcate.runtime.model.loader import resolve_model_path
-
     from .offline_throughput import hf_generate
 
     torch.set_num_threads(spec["threads"])
     dtype = getattr(torch, PRECISIONS[spec["precision"]]["hf"])
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("default"), dtype=dtype).eval()
-    pad = model.generation_config.pad_token_id
+    model = AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=dtype).eval()
+    pad, sizes = model.generation_config.pad_token_id, spec["sizes"]
     results = {"engine": {"dtype": str(dtype).removeprefix("torch."), "batch_size": HF_BATCH}}
 
     def run(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -131,10 +157,11 @@ def hf_worker(spec: dict, workloads: dict) -> dict:
                     for row in hf_generate(model, prompts[start : start + HF_BATCH], n, pad)]
 
     run(workloads["offline"][:2], 4)
-    for name, n in (("offline", OFFLINE["output_len"]), ("shared_prefix", SHARED["output_len"])):
+    for name in ("offline", "shared_prefix"):
+        n = sizes[name]["output_len"]
         outputs, seconds, foreign = timed(lambda name=name, n=n: run(workloads[name], n))
         results[name] = summary(outputs, seconds, foreign)
-    results["decode_b1"] = decode_summary(lambda n: run([workloads["decode_b1"]], n))
+    results["decode_b1"] = decode_summary(lambda n: run([workloads["decode_b1"]], n), sizes["decode_b1"]["output_len"])
     return results
 
 
@@ -144,9 +171,8 @@ def summary(outputs: list[list[int]], seconds: float, foreign: float) -> dict:
             "outputs": outputs}
 
 
-def decode_summary(generate) -> dict:
-    """Decode tokens/s at batch 1: (129-token run - 1-token run) / 128, best of two pairs."""
-    n = DECODE["output_len"]
+def decode_summary(generate, n: int) -> dict:
+    """Decode tokens/s at batch 1: (n+1-token run - 1-token run) / n, best of two pairs."""
     generate(2)
     rates, outputs, foreign_total = [], None, 0.0
     for _ in range(2):
@@ -157,10 +183,9 @@ def decode_summary(generate) -> dict:
     return {"output_tok_s": max(rates), "rates": rates, "foreign_cpu_seconds": foreign_total, "outputs": outputs}
 
 
-def group_order(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+def group_order(prompts: list[list[int]], length: int) -> tuple[list[int], list[int]]:
     """The shared-prefix prompts grouped by system prompt (the group's first prompt first) and, per position,
     how many tokens it shares with its group: what llama.cpp's seq_cp needs spelled out."""
-    length = SHARED["system_len"]
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(tuple(prompt[:length]), []).append(i)
@@ -177,32 +202,182 @@ def worker_main(spec: dict) -> None:
     pathlib.Path(spec["output"]).write_text(json.dumps(result))
 
 
-# --- the driver ------------------------------------------------------------------------------------------------
+# --- models and machine facts ------------------------------------------------------------------------------------
 
-def prepare_ggufs() -> dict[str, str]:
+def prepare_models(shape: str, quant_type: str) -> dict:
+    """The GGUFs llama.cpp reads (source Q4, F32, BF16), what furcate is given, and the HF directory vLLM and HF
+    load: furcate's own conversion of the source GGUF, so all of them hold one set of weights."""
     from furcate.runtime.model.default_model import find_default_gguf
+    from furcate.runtime.model.loader import resolve_model_path
 
     from .peer_llama_cpp import write_gguf_copy
+    from .peer_models import SHAPE_1B, write_random_gguf
 
-    source = find_default_gguf()
     BENCH_CACHE.mkdir(parents=True, exist_ok=True)
-    paths = {"Q4_1": str(source)}
+    if shape == "135m":
+        source, furcate_model, name = find_default_gguf(), "default", "SmolLM2-135M-Instruct"
+    else:
+        target = BENCH_CACHE / "models" / f"llama-3.2-1b-shape-random.{quant_type}.gguf"
+        print(f"preparing {target.name} (built once)", flush=True)
+        source = write_random_gguf(target, find_default_gguf(), SHAPE_1B, quant_type)
+        furcate_model, name = str(source), f"Llama-3.2-1B-shaped, random weights, {quant_type}"
+    ggufs = {"source": str(source)}
+    stem = source.stem.rsplit(".", 1)[0]
     for precision in ("F32", "BF16"):
-        name = f"{source.stem.removesuffix('.Q4_1')}.{precision}.gguf"
-        paths[precision] = str(write_gguf_copy(source, BENCH_CACHE / name, precision))
-    return paths
+        target = (BENCH_CACHE if shape == "135m" else BENCH_CACHE / "models") / f"{stem}.{precision}.gguf"
+        ggufs[precision] = str(write_gguf_copy(source, target, precision))
+    return {"name": name, "ggufs": ggufs, "furcate_model": furcate_model,
+            "hf_dir": resolve_model_path(furcate_model)}
 
 
-def run_worker(system: str, precision: str, threads: int, workloads_file: pathlib.Path, gguf: str | None) -> dict:
-    output = workloads_file.with_name(f"{system}-{precision}.json")
-    spec = {"system": system, "precision": precision, "threads": threads, "workloads": str(workloads_file),
-            "output": str(output), "gguf": gguf}
+def gguf_facts(path: str) -> dict:
+    """Shape facts and the per-tensor sizes the bytes-per-step estimate needs."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    fields = {k: reader.fields[k].contents() for k in ("llama.block_count", "llama.attention.head_count",
+                                                       "llama.attention.head_count_kv", "llama.embedding_length",
+                                                       "llama.context_length")}
+    names = {t.name for t in reader.tensors}
+    # The embedding lookup reads one row per token; the table counts only where it doubles as the LM head.
+    counted = [t for t in reader.tensors if not (t.name == "token_embd.weight" and "output.weight" in names)]
+    return {"fields": fields, "tensors": [(t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes))
+                                          for t in counted]}
+
+
+def step_bytes(models: dict) -> dict[str, dict[str, float]]:
+    """Weight bytes one decode step reads, per precision and system: the GGUF tensor bytes for llama.cpp, params x
+    element size for float weights, and for furcate quantized its int4 kernel's operands (4 bits per weight plus a
+    bfloat16 scale and zero per 32) or its int8 rows (one bfloat16 scale per row), bfloat16 for the rest."""
+    source = gguf_facts(models["ggufs"]["source"])
+    params = sum(n for _, _, n, _ in source["tensors"])
+    quantized = 0.0
+    for _, kind, n, _ in source["tensors"]:
+        if kind in ("Q4_0", "Q4_1"):
+            quantized += n / 2 + n / 32 * 4
+        elif kind == "Q8_0":
+            quantized += n + n / source["fields"]["llama.embedding_length"] * 2
+        else:
+            quantized += n * 2
+    llama = {p: sum(b for *_, b in gguf_facts(models["ggufs"][p])["tensors"]) for p in ("F32", "BF16", "source")}
+    table = {"float32": 4 * params, "bfloat16": 2 * params}
+    out = {p: {s: table[p] for s in ("furcate", "vllm", "hf")} for p in table}
+    for precision, gguf in (("float32", "F32"), ("bfloat16", "BF16")):
+        out[precision]["llama.cpp"] = llama[gguf]
+    out["quantized"] = {"furcate": quantized, "llama.cpp": llama["source"]}
+    return out
+
+
+def memory_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
+    """Best-of-N read (sum) and copy bandwidth over a 1 GiB float32 tensor with the benchmark's thread count;
+    decode at batch 1 streams the weights once per token, so the read figure is its ceiling."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.ones(int(gib * 2**30) // 4)
+        b = torch.empty_like(a)
+        read, copy = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            a.sum()
+            read.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            b.copy_(a)
+            copy.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    nbytes = a.numel() * 4
+    return {"read_gb_s": nbytes / min(read) / 1e9, "copy_gb_s": 2 * nbytes / min(copy) / 1e9, "threads": threads,
+            "array_gib": gib, "repeats": repeats}
+
+
+def cpu_flags() -> list[str]:
+    """The native bfloat16 / AMX flags furcate's dtype and quantization defaults depend on."""
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+    return sorted(flag for flag in ("avx512_bf16", "amx_tile") if f" {flag}" in text)
+
+
+# --- running the workers -------------------------------------------------------------------------------------------
+
+def run_worker(spec: dict, workloads_file: pathlib.Path) -> dict:
+    output = workloads_file.with_name(f"{spec['system']}-{spec['precision']}.json")
+    spec = {**spec, "workloads": str(workloads_file), "output": str(output)}
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "benchmarks.peers", "--worker", json.dumps(spec)], check=True,
                    cwd=REPOSITORY_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     result = json.loads(output.read_text())
-    print(f"  {system} {precision}: done in {time.perf_counter() - started:.0f}s", flush=True)
+    print(f"  {spec['system']} {spec['precision']}: done in {time.perf_counter() - started:.0f}s", flush=True)
     return result
+
+
+def vllm_python(given: str | None) -> str | None:
+    """--vllm-python, else FURCATE_VLLM_PYTHON, else /work/vllm_venv/bin/python; None if it cannot import vllm."""
+    python = given or os.environ.get("FURCATE_VLLM_PYTHON") or (str(DEFAULT_VLLM_PYTHON)
+                                                                if DEFAULT_VLLM_PYTHON.exists() else None)
+    if python is None:
+        return None
+    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, cwd="/")
+    return python if probe.returncode == 0 else None
+
+
+def vllm_preload(python: str) -> str:
+    """TCMalloc and the venv's Intel OpenMP, preloaded as vLLM's CPU docs set it up (its worker warns that
+    performance suffers without them); whichever of the two is present."""
+    candidates = [pathlib.Path(f"/{lib}/x86_64-linux-gnu/libtcmalloc_minimal.so.4") for lib in ("lib", "usr/lib")]
+    tcmalloc = next((str(path) for path in candidates if path.exists()), None)
+    iomp = pathlib.Path(python).parents[1] / "lib" / "libiomp5.so"
+    return ":".join(lib for lib in (tcmalloc, str(iomp) if iomp.exists() else None) if lib)
+
+
+def vllm_settings(python: str, models: dict, precision: str, threads: int) -> dict:
+    """What the vLLM worker is given: the cores its OpenMP threads are bound to (the first `threads` this
+    process may run on; an explicit list, since vLLM's default "auto" binds one core fewer than the NUMA node
+    has, reserving one for its engine-core process), and a KV cache of MAX_TOKENS tokens in bytes (the
+    VLLM_CPU_KVCACHE_SPACE variable takes whole GiB and is legacy in this version, kv_cache_memory_bytes is
+    exact) with max_model_len cut to half of it where the model allows more (Llama 3.2's 131072 would not fit,
+    and vLLM keeps a block of the cache to itself, so a request of all 24576 tokens would not either);
+    LD_PRELOAD as vllm_preload."""
+    fields = gguf_facts(models["ggufs"]["source"])["fields"]
+    head_dim = fields["llama.embedding_length"] // fields["llama.attention.head_count"]
+    per_token = 2 * fields["llama.block_count"] * fields["llama.attention.head_count_kv"] * head_dim
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores)}
+    if preload := vllm_preload(python):
+        env["LD_PRELOAD"] = preload
+    return {"env": env,
+            "kv_cache_bytes": MAX_TOKENS * per_token * (4 if precision == "float32" else 2),
+            "max_model_len": min(fields["llama.context_length"], MAX_TOKENS // 2)}
+
+
+def run_vllm(python: str, spec: dict, workloads_file: pathlib.Path, settings: dict) -> dict:
+    """The vLLM worker under its own interpreter, without furcate on its path; its log goes to the bench cache.
+    A failure becomes the row's status rather than ending the whole run."""
+    output = workloads_file.with_name(f"vllm-{spec['precision']}.json")
+    log = output.with_suffix(".log")
+    spec = {**spec, "workloads": str(workloads_file), "output": str(output), "model_dir": spec["hf_dir"],
+            "dtype": PRECISIONS[spec["precision"]]["vllm"], "kv_cache_bytes": settings["kv_cache_bytes"],
+            "max_model_len": settings["max_model_len"]}
+    spec_file = output.with_suffix(".spec.json")
+    spec_file.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | settings["env"]
+    started = time.perf_counter()
+    with open(log, "w") as sink:
+        done = subprocess.run([python, "-m", "benchmarks.peer_vllm", str(spec_file)], cwd=REPOSITORY_ROOT, env=env,
+                              stdout=sink, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        print(f"  vllm {spec['precision']}: failed, see {log}", flush=True)
+        return {"status": f"failed: {lines[-1][:200] if lines else done.returncode}", "log": str(log)}
+    print(f"  vllm {spec['precision']}: done in {time.perf_counter() - started:.0f}s", flush=True)
+    return json.loads(output.read_text()) | {"settings": settings}
+
+
+# --- the report --------------------------------------------------------------------------------------------------
+
+def measured(result: dict | None) -> bool:
+    return bool(result) and "status" not in result
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -213,65 +388,179 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def compare(results: dict) -> dict:
-    """Ratios furcate / peer per precision and workload, and output agreement with furcate."""
+    """Ratios furcate / peer per precision and workload, and output agreement with furcate; a peer that did not
+    run shows its status."""
     table = {}
     for precision, systems in results.items():
-        ours = systems.get("furcate")
-        for workload in ("offline", "decode_b1", "shared_prefix"):
-            row = {name: systems[name][workload]["output_tok_s"] for name in systems}
-            for peer in ("llama.cpp", "hf"):
-                if ours and peer in systems:
-                    row[f"furcate/{peer}"] = ours[workload]["output_tok_s"] / systems[peer][workload]["output_tok_s"]
-                    row[f"agreement_{peer}"] = agreement(ours[workload]["outputs"], systems[peer][workload]["outputs"])
-            row["max_foreign_cpu_s"] = max(systems[name][workload]["foreign_cpu_seconds"] for name in systems)
+        ours = systems.get("furcate") if measured(systems.get("furcate")) else None
+        for workload in WORKLOADS:
+            row: dict = {}
+            for name, result in systems.items():
+                row[name] = result[workload]["output_tok_s"] if measured(result) else result["status"]
+            for peer in ("llama.cpp", "vllm", "hf"):
+                if ours and measured(systems.get(peer)):
+                    theirs = systems[peer][workload]
+                    row[f"furcate/{peer}"] = ours[workload]["output_tok_s"] / theirs["output_tok_s"]
+                    row[f"agreement_{peer}"] = agreement(ours[workload]["outputs"], theirs["outputs"])
+            row["max_foreign_cpu_s"] = max((r[workload]["foreign_cpu_seconds"] for r in systems.values()
+                                            if measured(r)), default=None)
             table[f"{precision}/{workload}"] = row
     return table
 
 
+def bandwidth_shares(results: dict, bytes_per_step: dict, bandwidth: dict) -> dict:
+    """decode_b1 per precision and system: weight bytes per token x tokens/s over the measured read bandwidth."""
+    shares = {}
+    for precision, systems in results.items():
+        for name, result in systems.items():
+            if measured(result) and name in bytes_per_step.get(precision, {}):
+                rate, nbytes = result["decode_b1"]["output_tok_s"], bytes_per_step[precision][name]
+                shares[f"{precision}/{name}"] = {"bytes_per_token": nbytes, "tok_s": rate,
+                                                 "gb_s": nbytes * rate / 1e9,
+                                                 "share": nbytes * rate / 1e9 / bandwidth["read_gb_s"]}
+    return shares
+
+
 def aims(table: dict) -> dict:
     def get(key, column):
-        return table.get(key, {}).get(column)
+        value = table.get(key, {}).get(column)
+        return value if isinstance(value, float) else None
 
-    return {
-        "offline >= 1.2x llama.cpp (same precision)": {p: get(f"{p}/offline", "furcate/llama.cpp")
-                                                       for p in PRECISIONS},
-        "batch-1 decode >= 1.0x llama.cpp (same precision)": {p: get(f"{p}/decode_b1", "furcate/llama.cpp")
-                                                              for p in PRECISIONS},
-        ">= 3x HF generate (offline)": {p: get(f"{p}/offline", "furcate/hf") for p in ("float32", "bfloat16")},
-    }
+    floats, every = ("float32", "bfloat16"), tuple(PRECISIONS)
+    wanted = [("offline >= 1.5x vLLM CPU", "offline", "vllm", 1.5, floats),
+              ("shared-prefix >= 1.5x vLLM CPU", "shared_prefix", "vllm", 1.5, floats),
+              ("offline >= 1.5x llama.cpp batched", "offline", "llama.cpp", 1.5, every),
+              ("shared-prefix >= 1.5x llama.cpp batched", "shared_prefix", "llama.cpp", 1.5, every),
+              ("batch-1 decode >= 1.0x llama.cpp", "decode_b1", "llama.cpp", 1.0, every),
+              (">= 3x HF generate (offline)", "offline", "hf", 3.0, floats)]
+    return {f"{aim} (same precision)": {"target": target,
+                                        "values": {p: get(f"{p}/{workload}", f"furcate/{peer}") for p in precisions}}
+            for aim, workload, peer, target, precisions in wanted}
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# CPU peers ({report['date']})", "",
-             f"SmolLM2-135M-Instruct, {report['threads']} threads each, greedy; furcate "
-             f"{report['versions']['furcate']}, llama-cpp-python {report['versions']['llama_cpp']}, transformers "
-             f"{report['versions']['transformers']}, torch {report['versions']['torch']}. Load before the run: "
-             f"{report['load_before']}.", "",
-             "| precision / workload | furcate tok/s | llama.cpp tok/s | HF tok/s | furcate/llama.cpp | furcate/HF "
-             "| agreement llama.cpp | agreement HF | foreign CPU s |", "|---|---|---|---|---|---|---|---|---|"]
+    versions, bandwidth = report["versions"], report["bandwidth"]
+    lines = [f"# CPU peers: {report['model']} ({report['date']})", "",
+             f"{report['threads']} threads each, greedy; furcate {versions['furcate']}, llama-cpp-python "
+             f"{versions['llama_cpp']}, vLLM {versions.get('vllm') or '-'} (CPU build), transformers "
+             f"{versions['transformers']}, torch {versions['torch']}. CPU flags: "
+             f"{', '.join(report['cpu_flags']) or 'none of avx512_bf16/amx_tile'}. Load before the run: "
+             f"{report['load_before']}. Memory bandwidth ({bandwidth['threads']} threads, "
+             f"{bandwidth['array_gib']} GiB): read {bandwidth['read_gb_s']:.1f} GB/s, copy "
+             f"{bandwidth['copy_gb_s']:.1f} GB/s.", ""]
+    if report["quick"]:
+        lines += ["**Quick smoke-test sizes: these numbers measure nothing.**", ""]
+    lines += ["| precision / workload | furcate tok/s | llama.cpp tok/s | vLLM tok/s | HF tok/s | furcate/llama.cpp "
+              "| furcate/vLLM | furcate/HF | agreement llama.cpp | agreement vLLM | agreement HF | foreign CPU s |",
+              "|" + "---|" * 12]
     for key, row in report["table"].items():
         def cell(name, fmt="{:.1f}", row=row):
-            return fmt.format(row[name]) if row.get(name) is not None else "-"
-        lines.append(f"| {key} | {cell('furcate')} | {cell('llama.cpp')} | {cell('hf')} | "
-                     f"{cell('furcate/llama.cpp', '{:.2f}x')} | {cell('furcate/hf', '{:.2f}x')} | "
-                     f"{cell('agreement_llama.cpp', '{:.2f}')} | {cell('agreement_hf', '{:.2f}')} | "
+            value = row.get(name)
+            return fmt.format(value) if isinstance(value, float) else (value or "-")
+        lines.append(f"| {key} | {cell('furcate')} | {cell('llama.cpp')} | {cell('vllm')} | {cell('hf')} | "
+                     f"{cell('furcate/llama.cpp', '{:.2f}x')} | {cell('furcate/vllm', '{:.2f}x')} | "
+                     f"{cell('furcate/hf', '{:.2f}x')} | {cell('agreement_llama.cpp', '{:.2f}')} | "
+                     f"{cell('agreement_vllm', '{:.2f}')} | {cell('agreement_hf', '{:.2f}')} | "
                      f"{cell('max_foreign_cpu_s')} |")
     lines += ["", "## Aims", ""]
-    for aim, values in report["aims"].items():
-        shown = ", ".join(f"{p} {v:.2f}x" if v is not None else f"{p} -" for p, v in values.items())
+    for aim, entry in report["aims"].items():
+        shown = ", ".join(f"{p} {v:.2f}x {'met' if v >= entry['target'] else 'missed'}" if v is not None
+                          else f"{p} -" for p, v in entry["values"].items())
         lines.append(f"- {aim}: {shown}")
-    lines += ["", "Workloads: " + json.dumps({"offline": OFFLINE, "decode_b1": DECODE, "shared_prefix": SHARED}), ""]
+    lines += ["", "## Batch-1 decode against memory bandwidth", "",
+              "Weight bytes a step reads (the embedding table only where it is the tied LM head) x tokens/s, over "
+              "the measured read bandwidth.", "",
+              "| precision / system | MB per token | tok/s | GB/s | share of bandwidth |", "|---|---|---|---|---|"]
+    for key, share in report["decode_bandwidth"].items():
+        lines.append(f"| {key} | {share['bytes_per_token'] / 1e6:.1f} | {share['tok_s']:.1f} | {share['gb_s']:.2f} "
+                     f"| {share['share']:.0%} |")
+    lines += ["", "## Engines", ""]
+    for precision, settings in report["vllm_settings"].items():
+        lines.append(f"- {precision} vllm given: environment {json.dumps(settings['env'])}, kv_cache_memory_bytes "
+                     f"{settings['kv_cache_bytes']} ({MAX_TOKENS} tokens), max_model_len {settings['max_model_len']}, "
+                     "enable_prefix_caching True, seed 0; the rest vLLM's defaults")
+    for precision, engines in report["engines"].items():
+        for system, engine in engines.items():
+            lines.append(f"- {precision} {system}: {json.dumps(engine)}")
+    lines += ["", "Workloads: " + json.dumps(report["sizes"]), ""]
     return "\n".join(lines)
 
 
-def main() -> None:
+def plot(report: dict, path: pathlib.Path) -> None:
+    """Grouped bars of tok/s per workload and system, one panel per precision."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    precisions = list(report["engines"])
+    figure, axes = plt.subplots(1, len(precisions), figsize=(5 * len(precisions), 4), squeeze=False)
+    width = 0.8 / len(SYSTEMS)
+    for axis, precision in zip(axes[0], precisions):
+        for i, system in enumerate(SYSTEMS):
+            values = [report["table"][f"{precision}/{w}"].get(system) for w in WORKLOADS]
+            heights = [v if isinstance(v, float) else 0.0 for v in values]
+            axis.bar([x + (i - (len(SYSTEMS) - 1) / 2) * width for x in range(len(WORKLOADS))], heights, width,
+                     label=system)
+        axis.set_xticks(range(len(WORKLOADS)), WORKLOADS)
+        axis.set_title(precision)
+        axis.set_ylabel("output tok/s")
+    axes[0][0].legend()
+    figure.suptitle(f"{report['model']}, {report['threads']} threads" + (" (quick)" if report["quick"] else ""))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--model-shape", choices=("135m", "1b"), default="135m")
+    parser.add_argument("--quant-type", choices=("Q4_0", "Q4_1"), default="Q4_0", help="the 1b model's GGUF type")
+    parser.add_argument("--vllm-python", help="interpreter with vllm installed (default: $FURCATE_VLLM_PYTHON, "
+                                              f"else {DEFAULT_VLLM_PYTHON})")
+    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (4 prompts, 8 output tokens)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--output", default=str(RESULTS / "peers.json"))
-    args = parser.parse_args()
+    parser.add_argument("--output", help="report path (default results/peers[_1b].json; with --quick in the bench "
+                                         "cache, never over a real report)")
+    return parser.parse_args()
+
+
+def default_output(args: argparse.Namespace) -> pathlib.Path:
+    name = "peers" + ("_1b" if args.model_shape == "1b" else "")
+    return BENCH_CACHE / f"{name}_quick.json" if args.quick else RESULTS / f"{name}.json"
+
+
+def run_all(args: argparse.Namespace, models: dict, workloads_file: pathlib.Path, sizes: dict) -> tuple[dict, dict]:
+    """Every (precision, system) in turn; the results and the vLLM settings used."""
+    python = vllm_python(args.vllm_python) if "vllm" in args.systems.split(",") else None
+    results: dict = {}
+    settings: dict = {}
+    for precision in args.precisions.split(","):
+        results[precision] = {}
+        for system in args.systems.split(","):
+            if system in ("hf", "vllm") and PRECISIONS[precision][system] is None:
+                continue
+            spec = {"system": system, "precision": precision, "threads": args.threads, "sizes": sizes,
+                    "furcate_model": models["furcate_model"], "hf_dir": models["hf_dir"],
+                    "gguf": models["ggufs"][PRECISIONS[precision]["llama.cpp"]]}
+            if system == "vllm" and python is None:
+                results[precision][system] = {"status": "not installed"}
+            elif system == "vllm":
+                settings[precision] = vllm_settings(python, models, precision, args.threads)
+                results[precision][system] = run_vllm(python, spec, workloads_file, settings[precision])
+            else:
+                results[precision][system] = run_worker(spec, workloads_file)
+    return results, settings
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker:
         return worker_main(json.loads(args.worker))
 
@@ -281,32 +570,39 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import furcate
-    from furcate.runtime.model.loader import resolve_model_path
 
     load_before = os.getloadavg()
-    ggufs = prepare_ggufs()
-    workloads = build_workloads(AutoTokenizer.from_pretrained(resolve_model_path("default")))
+    sizes = QUICK_SIZES if args.quick else SIZES
+    models = prepare_models(args.model_shape, args.quant_type)
+    bandwidth = memory_bandwidth(args.threads)
+    print(f"memory bandwidth: read {bandwidth['read_gb_s']:.1f} GB/s, copy {bandwidth['copy_gb_s']:.1f} GB/s",
+          flush=True)
+    workloads = build_workloads(AutoTokenizer.from_pretrained(models["hf_dir"]), sizes)
     workloads_file = BENCH_CACHE / "peers-workloads.json"
     workloads_file.write_text(json.dumps(workloads))
-    results: dict = {}
-    for precision in args.precisions.split(","):
-        results[precision] = {}
-        for system in args.systems.split(","):
-            if system == "hf" and PRECISIONS[precision]["hf"] is None:
-                continue
-            gguf = ggufs[PRECISIONS[precision]["llama.cpp"]] if system == "llama.cpp" else None
-            results[precision][system] = run_worker(system, precision, args.threads, workloads_file, gguf)
+    results, settings = run_all(args, models, workloads_file, sizes)
+    for precision, systems in results.items():
+        engine = systems.get("furcate", {}).get("engine", {})
+        if precision == "quantized" and engine.get("quantized_layers") == 0:
+            print("WARNING: furcate ran no quantized layers (this CPU has no native bfloat16: auto means dense)")
     table = compare(results)
-    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "threads": args.threads, "load_before": [round(x, 2) for x in load_before],
-              "versions": {"furcate": furcate.__version__, "llama_cpp": llama_cpp.__version__,
+    vllm_version = next((r["engine"]["version"] for s in results.values() for n, r in s.items()
+                         if n == "vllm" and measured(r)), None)
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "model": models["name"],
+              "model_shape": args.model_shape, "quick": args.quick, "threads": args.threads,
+              "load_before": [round(x, 2) for x in load_before], "cpu_flags": cpu_flags(), "bandwidth": bandwidth,
+              "versions": {"furcate": furcate.__version__, "llama_cpp": llama_cpp.__version__, "vllm": vllm_version,
                            "transformers": transformers.__version__, "torch": torch.__version__},
-              "engines": {p: {s: r["engine"] for s, r in systems.items()} for p, systems in results.items()},
-              "table": table, "aims": aims(table)}
-    output = pathlib.Path(args.output)
+              "vllm_settings": settings,
+              "engines": {p: {s: r.get("engine", r.get("status")) for s, r in systems.items()}
+                          for p, systems in results.items()},
+              "table": table, "aims": aims(table),
+              "decode_bandwidth": bandwidth_shares(results, step_bytes(models), bandwidth), "sizes": sizes}
+    output = pathlib.Path(args.output) if args.output else default_output(args)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     output.with_suffix(".md").write_text(markdown(report))
+    plot(report, output.with_suffix(".png"))
     print(markdown(report))
 
 

@@ -91,8 +91,9 @@ def furcate_worker(spec: dict, workloads: dict) -> dict:
 
     threads, sizes, results = spec["threads"], spec["sizes"], {}
     with Engine(spec["furcate_model"], torch_num_threads=threads, max_total_tokens=MAX_TOKENS,
-                max_running_requests=64, **PRECISIONS[spec["precision"]]["furcate"]) as engine:
-        results["engine"] = {"dtype": engine.info.dtype, "quantized_layers": engine.info.quantized_layers}
+                max_running_requests=64, **PRECISIONS[spec["precision"]]["furcate"], **spec["furcate_args"]) as engine:
+        results["engine"] = {"dtype": engine.info.dtype, "quantized_layers": engine.info.quantized_layers,
+                             "quantized_max_rows": engine.info.quantized_max_rows, **spec["furcate_args"]}
 
         def run(prompts: list[list[int]], n: int) -> list[list[int]]:
             params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
@@ -448,6 +449,8 @@ def markdown(report: dict) -> str:
              f"{report['load_before']}. Memory bandwidth ({bandwidth['threads']} threads, "
              f"{bandwidth['array_gib']} GiB): read {bandwidth['read_gb_s']:.1f} GB/s, copy "
              f"{bandwidth['copy_gb_s']:.1f} GB/s.", ""]
+    if report.get("furcate_args"):
+        lines += [f"furcate ran with {json.dumps(report['furcate_args'])} beside its defaults.", ""]
     if report["quick"]:
         lines += ["**Quick smoke-test sizes: these numbers measure nothing.**", ""]
     lines += ["| precision / workload | furcate tok/s | llama.cpp tok/s | vLLM tok/s | HF tok/s | furcate/llama.cpp "
@@ -524,6 +527,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quant-type", choices=("Q4_0", "Q4_1"), default="Q4_0", help="the 1b model's GGUF type")
     parser.add_argument("--vllm-python", help="interpreter with vllm installed (default: $FURCATE_VLLM_PYTHON, "
                                               f"else {DEFAULT_VLLM_PYTHON})")
+    parser.add_argument("--furcate-args", default="{}",
+                        help='engine arguments added to furcate\'s, as JSON: \'{"enable_torch_compile": true}\'')
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes (4 prompts, 8 output tokens)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--output", help="report path (default results/peers[_1b].json; with --quick in the bench "
@@ -548,6 +553,7 @@ def run_all(args: argparse.Namespace, models: dict, workloads_file: pathlib.Path
                 continue
             spec = {"system": system, "precision": precision, "threads": args.threads, "sizes": sizes,
                     "furcate_model": models["furcate_model"], "hf_dir": models["hf_dir"],
+                    "furcate_args": json.loads(args.furcate_args),
                     "gguf": models["ggufs"][PRECISIONS[precision]["llama.cpp"]]}
             if system == "vllm" and python is None:
                 results[precision][system] = {"status": "not installed"}
@@ -590,6 +596,7 @@ def main() -> None:
                          if n == "vllm" and measured(r)), None)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "model": models["name"],
               "model_shape": args.model_shape, "quick": args.quick, "threads": args.threads,
+              "furcate_args": json.loads(args.furcate_args),
               "load_before": [round(x, 2) for x in load_before], "cpu_flags": cpu_flags(), "bandwidth": bandwidth,
               "versions": {"furcate": furcate.__version__, "llama_cpp": llama_cpp.__version__, "vllm": vllm_version,
                            "transformers": transformers.__version__, "torch": torch.__version__},

@@ -16,7 +16,7 @@ from furcate.runtime.model.default_model import find_default_gguf, prepare_user_
 from furcate.runtime.model.gguf_names import hf_name, unpermute_rope
 from furcate.runtime.model.kernel_choice import ROW_LADDER, small_batch_rows
 from furcate.runtime.model.loader import load_model
-from furcate.runtime.model.quantize import gguf_block_weights, measured_rows, timed_layer
+from furcate.runtime.model.quantize import gguf_block_weights, measured_quantization
 from furcate.runtime.model.quantized import Int4Linear, Int8Linear, SmallBatchQuantized, read_blocks
 from tiny_gguf import HEADS, KV_HEADS, QUANTIZED_LAYERS, build_tiny_gguf
 
@@ -93,17 +93,24 @@ class Twice(torch.nn.Module):
 
 
 def test_auto_measures_which_batch_sizes_the_quantized_kernel_serves():
-    dense = torch.nn.Linear(1024, 1024, bias=False)
-    # A kernel always slower than the dense layer serves no batch; one always far faster serves every rung.
-    assert small_batch_rows(Twice(dense), dense) == 0
-    assert small_batch_rows(torch.nn.Linear(1024, 16, bias=False), dense) == ROW_LADDER[-1]
+    dense = [torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)]
+    # Kernels always slower than the dense layers serve no batch; ones always far faster serve every rung.
+    assert small_batch_rows([Twice(layer) for layer in dense], dense) == 0
+    assert small_batch_rows([torch.nn.Linear(1024, 16, bias=False) for _ in dense], dense) == ROW_LADDER[-1]
 
 
-def test_auto_times_the_default_models_int4_mlp_kernel(default_model_dir):
-    model = load_model(str(default_model_dir), torch.float32)
-    blocks = gguf_block_weights(find_default_gguf())
-    assert timed_layer(model, blocks) == "model.layers.0.mlp.gate_up_proj"
-    assert measured_rows(model, blocks) in (0, *ROW_LADDER)
+def test_auto_on_the_default_model_times_its_mlps_and_keeps_what_won(default_model_dir):
+    model = load_model(str(default_model_dir), torch.bfloat16)
+    layers = model.model.layers
+    dense_mlp = layers[0].mlp.gate_up_proj
+    result = measured_quantization(model, gguf_block_weights(find_default_gguf()))
+    assert result.max_rows in (0, *ROW_LADDER)
+    if result.max_rows:  # every quantizable layer swapped, each serving up to the measured rows
+        assert len(result.layers) == 4 * len(layers) + 1
+        assert layers[0].mlp.gate_up_proj.max_rows == result.max_rows
+        assert layers[0].mlp.gate_up_proj.dense is dense_mlp
+    else:  # the dense layers are back, untouched
+        assert result.layers == [] and layers[0].mlp.gate_up_proj is dense_mlp
 
 
 def _prompt_logprobs(engine: Engine, ids: list[int]) -> torch.Tensor:

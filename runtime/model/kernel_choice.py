@@ -3,8 +3,10 @@ dense layer.
 
 torch's int4/int8 CPU kernels run bfloat16 activations. Where the CPU has native bfloat16 (avx512_bf16) they
 read 4-bit weights several times faster than a dense matmul at one row; elsewhere they convert every product
-and may lose to float32. One flag cannot say which, so the engine times both kernels on one of the model's own
-layers at start-up (~0.1-0.5 s) and serves with the quantized kernel only the batch sizes where it won.
+and may lose to float32. One flag cannot say which, so the engine times both kernels on the model's own layers
+at start-up (well under a second) and serves with the quantized kernel only the batch sizes where it won. It
+times a run through many layers, not one: a step streams every layer's weights from memory, while one layer's
+dense weights alone would sit in the cache and flatter the dense kernel.
 """
 
 from __future__ import annotations
@@ -22,27 +24,29 @@ ROW_LADDER = (1, 2, 4, 8, 16, 32)
 MARGIN = 0.9
 
 
-def seconds_per_call(layer: nn.Module, x: torch.Tensor, calls: int = 4, repeats: int = 3) -> float:
-    """Best-of-repeats mean time of layer(x); the first call warms caches and lazy initialisation up."""
+def best_seconds(paths: tuple[list[nn.Module], list[nn.Module]], x: torch.Tensor,
+                 repeats: int = 3) -> tuple[float, float]:
+    """Each path's best-of-repeats time for x through all its layers in turn, the two timed alternately so that
+    a burst of load elsewhere hits both alike; a first pass each warms lazy initialisation up."""
+    best = [float("inf"), float("inf")]
     with torch.inference_mode():
-        layer(x)
-        best = float("inf")
-        for _ in range(repeats):
+        for i in (0, 1, *([0, 1] * repeats)):
             started = time.perf_counter()
-            for _ in range(calls):
+            for layer in paths[i]:
                 layer(x)
-            best = min(best, (time.perf_counter() - started) / calls)
-    return best
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best[0], best[1]
 
 
-def small_batch_rows(quantized: nn.Module, dense: nn.Linear) -> int:
-    """The largest rung of ROW_LADDER up to which the quantized layer beat the dense one at every rung; 0 if it
-    lost at one row already."""
+def small_batch_rows(quantized: list[nn.Module], dense: list[nn.Linear]) -> int:
+    """The largest rung of ROW_LADDER up to which the quantized layers beat the dense ones (same shapes, in the
+    same order) at every rung; 0 if they lost at one row already."""
     chosen = 0
     for rows in ROW_LADDER:
-        x = torch.randn(rows, dense.in_features).to(dense.weight.dtype)
-        quantized_s, dense_s = seconds_per_call(quantized, x), seconds_per_call(dense, x)
-        logger.info("%d rows: quantized %.0f us, dense %.0f us", rows, quantized_s * 1e6, dense_s * 1e6)
+        x = torch.randn(rows, dense[0].in_features).to(dense[0].weight.dtype)
+        quantized_s, dense_s = best_seconds((quantized, dense), x)
+        logger.info("%d rows through %d layers: quantized %.0f us, dense %.0f us", rows, len(dense),
+                    quantized_s * 1e6, dense_s * 1e6)
         if quantized_s > MARGIN * dense_s:
             break
         chosen = rows

@@ -11,7 +11,7 @@ from torch import nn
 from .decoder import STACKED, DecoderForCausalLM
 from .default_model import gguf_source
 from .gguf_names import hf_name, rope_row_order
-from .kernel_choice import small_batch_rows
+from .kernel_choice import ROW_LADDER, small_batch_rows
 from .quantized import (
     SUPPORTED_TYPES,
     BlockWeights,
@@ -86,20 +86,26 @@ def quantizable_layers(model: DecoderForCausalLM, blocks: dict[str, BlockWeights
     return found
 
 
-def measured_rows(model: DecoderForCausalLM, blocks: dict[str, BlockWeights]) -> int:
-    """quantization=auto: up to how many rows the quantized kernel beat the dense one on this CPU (0: never)."""
-    name = timed_layer(model, blocks)
-    if name is None:
-        return 0
-    dense = model.get_submodule(name)
-    quantized = quantized_linear(stack_rows([blocks[s] for s in source_tensors(model, name)]), dense.bias)
-    return small_batch_rows(quantized, dense)
+def measured_rows(layers: list[SmallBatchQuantized]) -> int:
+    """quantization=auto: up to how many rows the quantized kernels beat the dense ones on this CPU (0: never),
+    timed over the layers of the largest shape among them (the MLPs', which dominate a step's weight reads)."""
+    largest = max(layers, key=lambda m: m.dense.weight.numel()).dense.weight.shape
+    timed = [m for m in layers if m.dense.weight.shape == largest]
+    return small_batch_rows([m.quantized for m in timed], [m.dense for m in timed])
 
 
-def timed_layer(model: DecoderForCausalLM, blocks: dict[str, BlockWeights]) -> str | None:
-    """The largest quantizable layer below the LM head (an MLP's, which dominates a step's weight reads)."""
-    layers = [(n, m) for n, m in quantizable_layers(model, blocks) if n != "lm_head"]
-    return max(layers, key=lambda item: item[1].weight.numel())[0] if layers else None
+def measured_quantization(model: DecoderForCausalLM, blocks: dict[str, BlockWeights]) -> QuantizedModel:
+    """auto: quantized layers beside the dense ones, serving the batch sizes where they measured faster; the
+    dense layers alone again where they never were."""
+    names = quantize_model(model, blocks, dense_above=ROW_LADDER[-1])
+    layers = [model.get_submodule(name) for name in names]
+    below_head = [layer for name, layer in zip(names, layers) if name != "lm_head"]
+    rows = measured_rows(below_head) if below_head else 0
+    for name, layer in zip(names, layers):
+        layer.max_rows = rows
+        if not rows:
+            model.set_submodule(name, layer.dense)
+    return QuantizedModel(names, rows) if rows else QuantizedModel()
 
 
 def apply_quantization(model: DecoderForCausalLM, quantization: str, model_dir: str) -> QuantizedModel:
@@ -119,5 +125,4 @@ def apply_quantization(model: DecoderForCausalLM, quantization: str, model_dir: 
     blocks = gguf_block_weights(gguf)
     if quantization == "gguf":
         return QuantizedModel(quantize_model(model, blocks, dense_above=None), -1)
-    rows = measured_rows(model, blocks)
-    return QuantizedModel(quantize_model(model, blocks, dense_above=rows), rows) if rows else QuantizedModel()
+    return measured_quantization(model, blocks)

@@ -133,11 +133,16 @@ def test_stops_cut_where_plain_decoding_stops(engines, copy_prompts, tokenizer):
 
 
 def test_logprobs_are_the_plain_ones(engines, copy_prompts):
-    kwargs = {"input_ids": copy_prompts[:2], "sampling_params": {**GREEDY, "max_new_tokens": 20},
-              "return_logprob": True, "top_logprobs_num": 3}
-    plain = engines["plain"].generate(**kwargs)
-    spec = engines["spec"].generate(**kwargs)
+    """Also over the prefix cache: each prompt again with its output appended reads the K/V the speculative
+    request left there (a rejected draft's would change these logprobs)."""
+    kwargs = {"sampling_params": {**GREEDY, "max_new_tokens": 20}, "return_logprob": True, "top_logprobs_num": 3}
+    plain = engines["plain"].generate(input_ids=copy_prompts[:2], **kwargs)
+    spec = engines["spec"].generate(input_ids=copy_prompts[:2], **kwargs)
     assert spec_counts(spec)[1] > 0
+    again = [p + r["output_ids"] for p, r in zip(copy_prompts, spec)]
+    plain += engines["plain"].generate(input_ids=again, **kwargs)
+    spec += engines["spec"].generate(input_ids=again, **kwargs)
+    assert all(r["meta_info"]["cached_tokens"] >= len(p) - 2 for p, r in zip(again, spec[2:]))
     for p, s in zip(plain, spec):
         assert s["output_ids"] == p["output_ids"]
         for key in ("output_token_logprobs", "input_token_logprobs"):

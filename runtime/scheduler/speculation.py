@@ -68,8 +68,8 @@ class Speculator(SchedulerPlugin):
     # -- drafting -------------------------------------------------------------------------------------------
 
     def draft(self, slices: list[ReqSlice], room: int) -> None:
-        """Give decode slices drafts, taking only the KV room left once each has its own slot: a draft never
-        makes the scheduler evict more than a plain step, nor retract anything."""
+        """Give decode slices drafts, taking only the KV room `room` the scheduler leaves them: drafts never make it
+        retract a request."""
         for piece in slices:
             if room <= 0:
                 return

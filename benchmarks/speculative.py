@@ -44,15 +44,19 @@ def report_text(i: int) -> str:
     return "\n".join(lines)
 
 
-def extraction(i: int) -> str:
-    return (f"{report_text(i)}\n\nCopy record {3 + i % 6} exactly as written above, then record {4 + i % 6}.\n"
+# Each workload is (user message, the start of the assistant's answer), rendered with the model's chat template.
+Workload = tuple[str, str]
+
+
+def extraction(i: int) -> Workload:
+    return (f"{report_text(i)}\n\nCopy record {3 + i % 6} exactly as written above, word for word.",
             f"Record {3 + i % 6}:")
 
 
-def json_copy(i: int) -> str:
+def json_copy(i: int) -> Workload:
     k = i % len(NAMES)
     return (f"{report_text(i)}\n\nWrite a JSON object with the fields name, city, topic and samples for the "
-            f"person in record {1 + k}.\n{{\"name\": \"")
+            f"person in record {1 + k}.", '{"name": "')
 
 
 CODE = '''def summarize(values, limit):
@@ -72,18 +76,18 @@ RENAMES = (("values", "items"), ("limit", "cap"), ("total", "acc"), ("count", "n
            ("value", "item"), ("summarize", "aggregate"), ("limit", "max_items"))
 
 
-def code_edit(i: int) -> str:
+def code_edit(i: int) -> Workload:
     old, new = RENAMES[i % len(RENAMES)]
-    return (f"```python\n{CODE}```\n\nThe same function with `{old}` renamed to `{new}` everywhere, otherwise "
-            f"unchanged:\n\n```python\n")
+    return (f"```python\n{CODE}```\n\nRewrite this function with `{old}` renamed to `{new}` everywhere, "
+            "otherwise unchanged.", "```python\n")
 
 
-def free(i: int) -> str:
+def free(i: int) -> Workload:
     openings = ("Once upon a time, in a village by the sea,", "The history of the bicycle begins",
                 "My favourite recipe for a rainy day is", "In the year 2300, the first city on Mars",
                 "The strangest thing about octopuses is", "A short guide to learning the violin:",
                 "The old lighthouse keeper told us", "Ten things to do in a new city:")
-    return openings[i % len(openings)]
+    return "Write a story of a few paragraphs.", openings[i % len(openings)]
 
 
 WORKLOADS = {"extraction": extraction, "json": json_copy, "code_edit": code_edit, "free": free}
@@ -96,14 +100,19 @@ def run_batch(engine, prompts: list[str], max_new_tokens: int) -> tuple[float, l
     return time.perf_counter() - started, out
 
 
+def render(tokenizer, workload: Workload) -> str:
+    message, answer_start = workload
+    chat = [{"role": "user", "content": message}]
+    return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) + answer_start
+
+
 def measure(engines: dict, prompts: list[str], args: argparse.Namespace) -> dict:
-    """The two engines take turns, one round each; a warm-up round first (it also caches nothing: the caches
-    are flushed before every timed round, so both engines prefill every prompt)."""
+    """The two engines take turns, one round each, after a warm-up round that leaves each prompt in the prefix
+    cache: the timed rounds measure decoding, which is what speculation changes."""
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[dict]] = {}
     for round_index in range(args.rounds + 1):
         for name, engine in engines.items():
-            engine.flush_cache()
             wall, out = run_batch(engine, prompts, args.max_new_tokens)
             if round_index:
                 seconds[name].append(wall)
@@ -150,12 +159,17 @@ def start_engines(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> dict:
     flags, load_before = cpu_flags(), os.getloadavg()
     print(f"CPU flags: {' '.join(flags) or 'none'}; load average before: {load_before}")
+    from transformers import AutoTokenizer
+
+    from furcate.runtime.model.default_model import prepare_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
     engines = start_engines(args)
     try:
         results = {}
         for name in args.workloads:
             for batch in args.batches:
-                prompts = [WORKLOADS[name](i) for i in range(batch)]
+                prompts = [render(tokenizer, WORKLOADS[name](i)) for i in range(batch)]
                 results[f"{name}/batch{batch}"] = measure(engines, prompts, args)
                 print_row(f"{name}/batch{batch}", results[f"{name}/batch{batch}"])
     finally:

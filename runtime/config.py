@@ -13,6 +13,9 @@ from .attention.select import resolve_attention_backend
 
 MAX_DP_SIZE = 64
 MAX_TP_SIZE = 8
+# Speculative decoding's bounds: a verify forward computes 1 + speculative_num_draft_tokens rows per request.
+MAX_DRAFT_TOKENS = 64
+MAX_NGRAM_WINDOW = 64
 # Named choices, each kind under the field that picks from it (attention backends register in attention/select.py).
 registry.register_names("dtype", ("auto", "float32", "bfloat16", "float16"))
 registry.register_names("quantization", ("auto", "none", "gguf"))
@@ -22,6 +25,7 @@ registry.register_names("router_policy", ("cache_aware", "round_robin", "power_o
 registry.register("disaggregation_mode", "null")  # serving whole requests: no scheduler plug-in
 registry.register("disaggregation_mode", "prefill", "furcate.runtime.disaggregation.prefill:PrefillSender")
 registry.register("disaggregation_mode", "decode", "furcate.runtime.disaggregation.decode:DecodeReceiver")
+registry.register("speculative_algorithm", "NGRAM", "furcate.runtime.speculative.ngram:NgramDrafter")
 registry.register("disaggregation_transfer_backend", "mooncake",
                   "furcate.runtime.disaggregation.transfer:MooncakeAgent")
 registry.register("disaggregation_transfer_backend", "nixl", "furcate.runtime.disaggregation.nixl_agent:NixlAgent")
@@ -124,6 +128,16 @@ class EngineArgs:
     disaggregation_host: str = "127.0.0.1"
     # Seconds a request's two halves wait for each other (queueing included) before it fails.
     disaggregation_timeout: float = 300.0
+    # Speculative decoding (SGLang's names): NGRAM drafts each decoding request's next tokens from its own prompt
+    # and output (prompt lookup: what followed the latest earlier occurrence of its last n tokens), and one forward
+    # verifies them; greedy output is unchanged, sampled output keeps its distribution. None: off. Runs on the plain
+    # loop only (disable_overlap_schedule).
+    speculative_algorithm: str | None = None
+    # Draft tokens proposed per request and step (the verify forward computes this many more rows per request).
+    speculative_num_draft_tokens: int = 4
+    # The n-gram lengths matched against earlier text, longest first; a shorter match drafts more often and worse.
+    speculative_ngram_min_match_window_size: int = 2
+    speculative_ngram_max_match_window_size: int = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -156,6 +170,7 @@ class EngineArgs:
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
         self._validate_disaggregation()
+        self._validate_speculative()
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
@@ -170,6 +185,24 @@ class EngineArgs:
         if not 0 < self.disaggregation_timeout < float("inf"):
             raise ValueError(f"disaggregation_timeout must be a positive number of seconds, got "
                              f"{self.disaggregation_timeout}")
+
+    def _validate_speculative(self) -> None:
+        if self.speculative_algorithm is not None:
+            registry.check("speculative_algorithm", self.speculative_algorithm)
+            if not self.disable_overlap_schedule:
+                # The overlap loop's token table holds one token in flight per request; a verify step yields several.
+                raise ValueError("speculative_algorithm runs on the plain loop only; set disable_overlap_schedule=True")
+        bounded = (("speculative_num_draft_tokens", MAX_DRAFT_TOKENS),
+                   ("speculative_ngram_min_match_window_size", MAX_NGRAM_WINDOW),
+                   ("speculative_ngram_max_match_window_size", MAX_NGRAM_WINDOW))
+        for name, most in bounded:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+                raise ValueError(f"{name} must be an integer in [1, {most}], got {value!r}")
+        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if low > high:
+            raise ValueError("speculative_ngram_min_match_window_size must be <= "
+                             f"speculative_ngram_max_match_window_size, got {low} and {high}")
 
     @property
     def num_threads(self) -> int:

@@ -56,6 +56,27 @@ class RpcOut:
 
 
 @dataclass
+class SpecCounts:
+    """Speculative decoding, one request's totals so far: verify steps (forwards that checked drafts), tokens
+    drafted, and drafts accepted."""
+
+    verify_ct: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def meta(self) -> dict[str, float | int]:
+        """SGLang's meta_info keys; accept_length counts the tokens of a verify step, the one after its accepted
+        drafts included."""
+        return {
+            "spec_verify_ct": self.verify_ct,
+            "spec_draft_token_num": self.draft_tokens,
+            "spec_accept_token_num": self.accepted_tokens,
+            "spec_accept_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            "spec_accept_length": 1 + self.accepted_tokens / self.verify_ct if self.verify_ct else 0.0,
+        }
+
+
+@dataclass
 class ReqOutput:
     """What a request produced since its last output (one step, or for a request nobody streams, everything after
     its first tokens); logprob lists hold only those new entries."""
@@ -70,6 +91,7 @@ class ReqOutput:
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     input_logprob_start: int = 0
+    spec: SpecCounts | None = None  # speculative decoding on: the request's totals when this output was sent
 
 
 @dataclass

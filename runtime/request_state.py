@@ -8,7 +8,7 @@ from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, stream_holdback, trim_stop
 from .finish_reason import PEER_FAILURE, FinishReason
-from .messages import PeerServerError, ReqOutput, TokenizedGenerateReq
+from .messages import PeerServerError, ReqOutput, SpecCounts, TokenizedGenerateReq
 from .schema_check import SchemaChecker, SchemaVerdict
 
 
@@ -28,6 +28,7 @@ class RequestState:
         self.finish_reason: FinishReason | None = None
         self.prompt_tokens = len(req.input_ids)
         self.cached_tokens = 0
+        self.spec: SpecCounts | None = None
         self.logprobs: dict[str, list] = {}
         self.created = time.perf_counter()
         # Timing for the server's metrics: when the first output token arrived, and the seconds per token
@@ -54,6 +55,7 @@ class RequestState:
         self.output_ids.extend(out.new_token_ids)
         self.finish_reason = out.finish_reason or self.finish_reason
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        self.spec = out.spec or self.spec  # totals: the latest is the whole count
         new_logprobs = self._logprob_entries(out) if self.req.return_logprob else {}
         for key, entries in new_logprobs.items():
             self.logprobs.setdefault(key, []).extend(entries)
@@ -122,6 +124,8 @@ class RequestState:
         }
         if self.schema_verdict is not None:
             meta.update(self.schema_verdict.meta())
+        if self.spec is not None:
+            meta.update(self.spec.meta())
         if self.req.return_logprob:
             meta["input_token_logprobs"] = logprobs.get("input_token_logprobs", [])
             meta["output_token_logprobs"] = logprobs.get("output_token_logprobs", [])

@@ -124,6 +124,22 @@ def sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     return picked
 
 
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution sample_random draws each row's token from, normalised: temperature, then top_k, top_p and
+    min_p (the same kept set as sample_random's, ties ordered by id). Rows must not be greedy. [B, V] float."""
+    temperature = torch.tensor([row.params.temperature for row in rows], dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    filtered = [i for i, row in enumerate(rows) if row.params.top_k > 0 or row.params.top_p < 1.0
+                or row.params.min_p > 0.0]
+    if filtered:
+        index = torch.tensor(filtered, device=logits.device)
+        sorted_probs, ids = probs[index].sort(dim=-1, descending=True, stable=True)
+        kept = sorted_probs * _keep_mask(sorted_probs, [rows[i] for i in filtered])
+        kept = torch.zeros_like(kept).scatter(1, ids, kept)
+        probs[index] = kept / kept.sum(dim=-1, keepdim=True)
+    return probs
+
+
 def _sample_filtered(probs: torch.Tensor, rows: list[SamplingRow], uniform: torch.Tensor) -> torch.Tensor:
     vocab = probs.shape[-1]
     width = min(vocab, max(HEAD_TOKENS, *(row.params.top_k for row in rows)))

@@ -7,7 +7,7 @@ one token. So one builder serves prefill, decode and mixed batches.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class ReqSlice:
     length: int
     samples: bool  # the slice reaches the end of fill_ids, so its last row gives the next token
     input_rows: range  # positions whose logits give reported prompt logprobs
+    # Speculative decoding: tokens guessed to follow fill_ids, computed after the slice's own (and counted in
+    # length) so one forward verifies them; their KV slots are freed again where they are rejected.
+    draft: list[int] = field(default_factory=list)
 
     @classmethod
     def next_of(cls, req: Req, max_length: int | None = None, unseen: int = 0) -> ReqSlice:
@@ -39,7 +42,7 @@ class ReqSlice:
         end = self.start + self.length
         if self.input_rows:
             return range(self.input_rows.start, end if self.samples else self.input_rows.stop)
-        return range(end - 1, end) if self.samples else range(0)
+        return range(end - 1 - len(self.draft), end) if self.samples else range(0)
 
 
 @dataclass
@@ -68,7 +71,7 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
     for piece in slices:
         req = piece.req
         end = piece.start + piece.length
-        tokens = req.fill_ids[piece.start : end]
+        tokens = req.fill_ids[piece.start : end - len(piece.draft)] + piece.draft
         if len(tokens) < piece.length:  # the last token is still being sampled: read it from the token table
             tokens.append(placeholder(req))
         input_ids.extend(tokens)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..finish_reason import FinishReason
-from ..messages import Bootstrap, ReqOutput, TokenizedGenerateReq
+from ..messages import Bootstrap, ReqOutput, SpecCounts, TokenizedGenerateReq
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
 
@@ -44,6 +44,9 @@ class Req:
     bootstrap: Bootstrap | None = None  # disaggregated serving: where this request's other half is paired
     stream: bool = False  # the engine reads every step's output (see output_due)
     first_output_sent: bool = False
+    # Speculative decoding: the drafter's index over this request's tokens, and its acceptance counts.
+    draft_state: Any = None
+    spec_counts: SpecCounts | None = None
 
     @classmethod
     def from_tokenized(cls, req: TokenizedGenerateReq, seed: int, eos_ids: frozenset[int]) -> Req:

@@ -32,6 +32,7 @@ from .policy import order_waiting
 from .prefill_adder import PrefillAdder
 from .req import Req
 from .rpc import SchedulerRpc
+from .speculation import SpeculativeLauncher, Speculator, step_tokens
 
 logger = logging.getLogger("furcate.scheduler")
 
@@ -56,13 +57,16 @@ class Scheduler:
         self.running: list[Req] = []
         self.grammars = GrammarQueue(self, GrammarCache(backend) if backend else None, args.grammar_compile_timeout)
         # A disaggregation side first: a prefill server cuts every request to its first token before it queues.
-        self.plugins: list[SchedulerPlugin] = [*disaggregation_side(self), self.grammars]
+        self.speculator = Speculator(args, self.runner) if args.speculative_algorithm else None
+        self.plugins: list[SchedulerPlugin] = [*disaggregation_side(self), self.grammars,
+                                               *([self.speculator] if self.speculator else [])]
         self.rpc = SchedulerRpc(self)
         self.chunked_req: Req | None = None
         self.last_batch_prefilled = False
         self.rng = random.Random(args.random_seed)
         launcher = PlainLauncher if args.disable_overlap_schedule else OverlapLauncher
-        self.launcher = launcher(self.runner, self.process_result, self.sampling_inputs)
+        self.launcher = (SpeculativeLauncher(self.speculator, self.runner, self.process_result, self.sampling_inputs)
+                         if self.speculator else launcher(self.runner, self.process_result, self.sampling_inputs))
         self.outputs: list[Any] = []
         self.cached_tokens_total = 0
         self.jumped_tokens = 0
@@ -192,7 +196,10 @@ class Scheduler:
         self.last_batch_prefilled = bool(slices)
         if not slices or self.args.enable_mixed_chunk:
             self.memory.make_decode_room(self.running, self.retract)
-            slices += [ReqSlice.next_of(req, unseen=self.launcher.unseen(req)) for req in self.running]
+            decoding = [ReqSlice.next_of(req, unseen=self.launcher.unseen(req)) for req in self.running]
+            if self.speculator is not None and not slices:  # drafts ride in pure decode batches only
+                self.speculator.draft(decoding, self.draft_room(decoding))
+            slices += decoding
         if not slices:
             return None
         batch = build_batch(slices, self.runner.req_pool, self.runner.kv_pool, self.memory.alloc)
@@ -202,6 +209,14 @@ class Scheduler:
                 # Shareable at once: batches run in order, so any later reader finds this K/V written.
                 self.cache.cache_unfinished_req(piece.req)
         return batch
+
+    def draft_room(self, decoding: list[ReqSlice]) -> int:
+        """KV slots drafts may take: what is left once each decode slice has its slot and the prompt being prefilled
+        in chunks has room for its next chunk (tokens accepted now must not eat the room it was admitted with)."""
+        chunk = 0
+        if self.chunked_req is not None:
+            chunk = min(len(self.chunked_req.fill_ids) - self.chunked_req.kv_len, self.args.chunked_prefill_size)
+        return self.memory.room() - len(decoding) - chunk
 
     def admit(self) -> list[ReqSlice]:
         if not self.waiting and self.chunked_req is None:
@@ -260,7 +275,7 @@ class Scheduler:
                 self.finish_prefill(req)
                 if req.finished:
                     continue
-            self.take_token(req, result.next_ids[b], result.output_logprobs.get(b), result.output_top.get(b))
+            self.take_step_tokens(req, piece, step_tokens(result, b))
             jumped = not req.finished and not self.args.disable_jump_forward and self.jump_forward(req)
             if jumped:  # a batch launched meanwhile (overlap loop) samples for the state before the jump
                 self.launcher.redirect(req)
@@ -275,6 +290,17 @@ class Scheduler:
         for req in self.running:
             if (out := req.output_due()) is not None:
                 self.outputs.append(out)
+
+    def take_step_tokens(self, req: Req, piece: ReqSlice, tokens: list) -> None:
+        """One token, or a verify step's accepted drafts and the one after, up to where the request stops."""
+        taken = 0
+        for token, logprob, top in tokens:
+            self.take_token(req, token, logprob, top)
+            taken += 1
+            if req.finished:
+                break
+        if self.speculator is not None:
+            self.speculator.settle(req, piece, len(tokens), taken)
 
     def take_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         req.append_token(token, self.decode_tail, self.runner.context_length)

@@ -53,6 +53,8 @@ class ServerMetrics:
                               registry=r)
         self.cache_hit_rate = Gauge("furcate_cache_hit_rate", "Share of prompt tokens found in the prefix cache",
                                     registry=r)
+        self.spec_accept_rate = Gauge("furcate_spec_accept_rate", "Speculative decoding: accepted / drafted tokens",
+                                      registry=r)
         engine.request_observers.append(self.observe)
 
     def observe(self, state: RequestState) -> None:
@@ -77,4 +79,6 @@ class ServerMetrics:
         self.kv_usage.set((total - stats["kv_available"]) / total if total else 0.0)
         prompt = stats["prompt_tokens_total"]
         self.cache_hit_rate.set(stats["cached_tokens_total"] / prompt if prompt else 0.0)
+        drafted = stats.get("spec_draft_tokens", 0)  # only an engine with speculative decoding counts drafts
+        self.spec_accept_rate.set(stats["spec_accepted_tokens"] / drafted if drafted else 0.0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,242 @@
+"""N-gram speculative decoding on the default model: decode speed with and without it, where drafting helps
+(quoting or extracting from a long prompt, JSON that copies fields from the prompt, editing code) and where it
+does not (free generation), at batch 1 and batch 8.
+
+Per workload and batch: output tokens per second of each engine (median over rounds, the two engines taking turns
+so a change in the machine's load falls on both), the acceptance rate (accepted drafts / drafted tokens), the mean
+accepted length (tokens a verify step emits, its accepted drafts plus one), and greedy agreement (requests whose
+output is token for token the plain engine's: on CPU the verify forward's batched kernels round differently from
+decode's, so a near-tie may flip; on the tiny float32 test models it is exact).
+
+    python -m benchmarks.speculative [--max-new-tokens 128] [--rounds 3] [--threads 2] [--quick]
+
+Writes benchmarks/results/speculative.json and .md (speculative_quick.* with --quick, a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import time
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+BATCHES = (1, 8)
+
+NAMES = ("Alice Moreau", "Bram Kovacs", "Chidi Okafor", "Dana Ishikawa", "Emil Novak", "Farah Haddad",
+         "Goran Petrov", "Hana Sato")
+CITIES = ("Lisbon", "Tallinn", "Osaka", "Quito", "Nairobi", "Hobart", "Bergen", "Tucson")
+TOPICS = ("tidal energy", "bee migration", "glacier melt", "urban gardens", "deep sea vents", "desert rain",
+          "coral reefs", "river deltas")
+
+
+def report_text(i: int) -> str:
+    """A long prompt made of records: what extraction and JSON workloads copy from."""
+    lines = []
+    for j in range(12):
+        k = (i + j) % len(NAMES)
+        lines.append(f"Record {j + 1}: {NAMES[k]} lives in {CITIES[(k * 3) % 8]} and studies {TOPICS[(k * 5) % 8]}. "
+                     f"Their lab reported {17 + 7 * j} samples in {2011 + j} and published the results in the "
+                     f"journal of {TOPICS[(k + j) % 8]}.")
+    return "\n".join(lines)
+
+
+# Each workload is (user message, the start of the assistant's answer), rendered with the model's chat template.
+Workload = tuple[str, str]
+
+
+def extraction(i: int) -> Workload:
+    return (f"{report_text(i)}\n\nCopy record {3 + i % 6} exactly as written above, word for word.",
+            f"Record {3 + i % 6}:")
+
+
+def json_copy(i: int) -> Workload:
+    k = i % len(NAMES)
+    return (f"{report_text(i)}\n\nWrite a JSON object with the fields name, city, topic and samples for the "
+            f"person in record {1 + k}.", '{"name": "')
+
+
+CODE = '''def summarize(values, limit):
+    total = 0
+    count = 0
+    for value in values:
+        if value is None:
+            continue
+        if count >= limit:
+            break
+        total += value
+        count += 1
+    average = total / count if count else 0.0
+    return {"total": total, "count": count, "average": average}
+'''
+RENAMES = (("values", "items"), ("limit", "cap"), ("total", "acc"), ("count", "n"), ("average", "mean"),
+           ("value", "item"), ("summarize", "aggregate"), ("limit", "max_items"))
+
+
+def code_edit(i: int) -> Workload:
+    old, new = RENAMES[i % len(RENAMES)]
+    return (f"```python\n{CODE}```\n\nRewrite this function with `{old}` renamed to `{new}` everywhere, "
+            "otherwise unchanged.", "```python\n")
+
+
+def free(i: int) -> Workload:
+    openings = ("Once upon a time, in a village by the sea,", "The history of the bicycle begins",
+                "My favourite recipe for a rainy day is", "In the year 2300, the first city on Mars",
+                "The strangest thing about octopuses is", "A short guide to learning the violin:",
+                "The old lighthouse keeper told us", "Ten things to do in a new city:")
+    return "Write a story of a few paragraphs.", openings[i % len(openings)]
+
+
+WORKLOADS = {"extraction": extraction, "json": json_copy, "code_edit": code_edit, "free": free}
+
+
+def run_batch(engine, prompts: list[str], max_new_tokens: int) -> tuple[float, list[dict]]:
+    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    started = time.perf_counter()
+    out = engine.generate(prompts, params)
+    return time.perf_counter() - started, out
+
+
+def render(tokenizer, workload: Workload) -> str:
+    message, answer_start = workload
+    chat = [{"role": "user", "content": message}]
+    return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) + answer_start
+
+
+def measure(engines: dict, prompts: list[str], args: argparse.Namespace) -> dict:
+    """The two engines take turns, one round each, after a warm-up round that leaves each prompt in the prefix
+    cache: the timed rounds measure decoding, which is what speculation changes."""
+    seconds: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, list[dict]] = {}
+    for round_index in range(args.rounds + 1):
+        for name, engine in engines.items():
+            wall, out = run_batch(engine, prompts, args.max_new_tokens)
+            if round_index:
+                seconds[name].append(wall)
+            outputs[name] = out
+    return summarize(seconds, outputs)
+
+
+def summarize(seconds: dict[str, list[float]], outputs: dict[str, list[dict]]) -> dict:
+    tokens = sum(len(r["output_ids"]) for r in outputs["plain"])
+    spec = outputs["speculative"]
+    drafted = sum(r["meta_info"]["spec_draft_token_num"] for r in spec)
+    accepted = sum(r["meta_info"]["spec_accept_token_num"] for r in spec)
+    verifies = sum(r["meta_info"]["spec_verify_ct"] for r in spec)
+    same = [p["output_ids"] == s["output_ids"] for p, s in zip(outputs["plain"], spec)]
+    tok_s = {name: tokens / statistics.median(walls) for name, walls in seconds.items()}
+    return {
+        "output_tokens": tokens,
+        "plain_tok_s": tok_s["plain"],
+        "speculative_tok_s": tok_s["speculative"],
+        "speedup": tok_s["speculative"] / tok_s["plain"],
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": 1 + accepted / verifies if verifies else 0.0,
+        "greedy_agreement": sum(same) / len(same),
+    }
+
+
+def cpu_flags() -> list[str]:
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+    return sorted({flag for flag in ("avx512_bf16", "amx_tile") if f" {flag}" in text})
+
+
+def start_engines(args: argparse.Namespace) -> dict:
+    from furcate import Engine
+
+    common = {"torch_num_threads": args.threads, "grammar_backend": "none"}
+    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens,
+            "speculative_ngram_min_match_window_size": args.min_window,
+            "speculative_ngram_max_match_window_size": args.max_window}
+    return {"plain": Engine("default", **common), "speculative": Engine("default", **common, **spec)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    flags, load_before = cpu_flags(), os.getloadavg()
+    print(f"CPU flags: {' '.join(flags) or 'none'}; load average before: {load_before}")
+    from transformers import AutoTokenizer
+
+    from furcate.runtime.model.default_model import prepare_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+    engines = start_engines(args)
+    try:
+        results = {}
+        for name in args.workloads:
+            for batch in args.batches:
+                prompts = [render(tokenizer, WORKLOADS[name](i)) for i in range(batch)]
+                results[f"{name}/batch{batch}"] = measure(engines, prompts, args)
+                print_row(f"{name}/batch{batch}", results[f"{name}/batch{batch}"])
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_flags": flags, "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "settings": {"max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "threads": args.threads,
+                     "num_draft_tokens": args.num_draft_tokens, "ngram_window": [args.min_window, args.max_window],
+                     "model": "default (Engine('default'): dtype and quantization auto)"},
+        "results": results,
+    }
+
+
+COLUMNS = ("plain tok/s", "spec tok/s", "speedup", "accept rate", "mean accepted len", "greedy agreement")
+
+
+def row_values(result: dict) -> list[str]:
+    return [f"{result['plain_tok_s']:.1f}", f"{result['speculative_tok_s']:.1f}", f"x{result['speedup']:.2f}",
+            f"{result['acceptance_rate']:.2f}", f"{result['mean_accepted_length']:.2f}",
+            f"{result['greedy_agreement']:.2f}"]
+
+
+def print_row(name: str, result: dict) -> None:
+    print(f"{name:<20} " + "  ".join(f"{label} {value}" for label, value in zip(COLUMNS, row_values(result))))
+
+
+def markdown(report: dict) -> str:
+    settings = report["settings"]
+    lines = ["# N-gram speculative decoding, default model", "",
+             f"{report['date']}; CPU flags {', '.join(report['cpu_flags']) or 'none'}; load average before "
+             f"{report['load_average_before']}, after {report['load_average_after']}; greedy, "
+             f"{settings['max_new_tokens']} new tokens per request, median of {settings['rounds']} rounds, "
+             f"{settings['threads']} torch threads, {settings['num_draft_tokens']} draft tokens, n-gram window "
+             f"{settings['ngram_window'][0]}..{settings['ngram_window'][1]}.", "",
+             "| workload | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(row_values(result)) + " |" for name, result in report["results"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per engine (default: every core)")
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--min-window", type=int, default=2)
+    parser.add_argument("--max-window", type=int, default=4)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--quick", action="store_true", help="a smoke run: two workloads, batch 1 and 2, 12 tokens")
+    args = parser.parse_args()
+    if args.quick:
+        args.max_new_tokens, args.rounds, args.workloads, args.batches = 12, 1, ["extraction", "free"], [1, 2]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    report = run(args)
+    stem = "speculative_quick" if args.quick else "speculative"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{stem}.md").write_text(markdown(report))
+    print(f"wrote {RESULTS / stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,6 @@ from safetensors import safe_open
 from ..attention.base import ForwardBatch, ModelAttention
 from ..attention.select import make_attention_backend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from ..compiled_decode import CompiledDecode
 from ..config import EngineArgs
 from ..cuda_graph import capture_batch_sizes
 from ..cuda_graph_runner import CudaGraphRunner, supports_cuda_graphs
@@ -113,16 +112,13 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
         self.forward_calls = 0
-        self.graph_calls = 0  # forwards that replayed a CUDA graph or ran the compiled decode step
+        self.graph_calls = 0  # forwards that replayed a CUDA graph
         self.device = args.device
         self.forward_stream = torch.cuda.Stream(args.device) if args.device.startswith("cuda") else None
 
-    def _capture_graphs(self, args: EngineArgs) -> CudaGraphRunner | CompiledDecode | None:
+    def _capture_graphs(self, args: EngineArgs) -> CudaGraphRunner | None:
         """Decode CUDA graphs on a GPU, unless disabled; not under tensor parallelism (each rank would need its own
-        graphs replayed in step) nor with a backend whose metadata has no fixed buffers (torch_native). On CPU,
-        the compiled decode step when enabled."""
-        if args.enable_torch_compile and args.device == "cpu":
-            return self._compiled_decode(args)
+        graphs replayed in step) nor with a backend whose metadata has no fixed buffers (torch_native)."""
         sizes = capture_batch_sizes(args)
         if not sizes or self.tp.size > 1 or not supports_cuda_graphs(self.attn_backend):
             if sizes:
@@ -130,13 +126,6 @@ class ModelRunner:
                                else f"attention backend {type(self.attn_backend).__name__} cannot be captured")
             return None
         return CudaGraphRunner(self.model, self.attn_backend, sizes, self.req_pool, self.kv_pool, args.device)
-
-    def _compiled_decode(self, args: EngineArgs) -> CompiledDecode | None:
-        if self.tp.size > 1:  # the ranks' all-reduces would have to be traced in step on every rank
-            logger.warning("decode runs without torch.compile under tensor parallelism")
-            return None
-        return CompiledDecode(self.model, self.req_pool, self.kv_pool,
-                              min(args.torch_compile_max_bs, args.max_running_requests))
 
     def _tokens_from_memory(self, args: EngineArgs, model_path: str) -> int:
         _, num_kv_heads, head_dim = attention_shape(self.config)

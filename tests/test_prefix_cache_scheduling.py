@@ -44,6 +44,12 @@ CONFIGS = {
     "no-radix": dict(disable_radix_cache=True),
     "no-radix-chunk3": dict(disable_radix_cache=True, chunked_prefill_size=3, max_prefill_tokens=8),
     "tiny-pool-retracts": dict(max_total_tokens=100, init_new_token_ratio=0.1, min_new_token_ratio=0.05),
+    # Decoding requests outgrow their reservations while a prompt is prefilled in chunks: the next chunk must
+    # take only the room there is (it once asked for more and the scheduler died of an exhausted pool).
+    "tiny-pool-chunk5-retracts": dict(max_total_tokens=100, chunked_prefill_size=5, init_new_token_ratio=0.1,
+                                      min_new_token_ratio=0.05),
+    "tiny-pool-chunk5-mixed-retracts": dict(max_total_tokens=100, chunked_prefill_size=5, enable_mixed_chunk=True,
+                                            init_new_token_ratio=0.1, min_new_token_ratio=0.05),
 }
 
 

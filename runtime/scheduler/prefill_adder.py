@@ -37,10 +37,17 @@ class PrefillAdder:
         """Slots that can still be promised: free plus evictable, less every reservation."""
         return self.kv_pool.available_size() + self.cache.evictable_size() - self.reserved
 
-    def add_chunked(self, req: Req) -> None:
-        """The request whose prompt is mid-way through chunked prefill continues first, every step."""
-        self._take(ReqSlice.next_of(req, self.rem_chunk))
+    def add_chunked(self, req: Req, keep_free: int = 0) -> bool:
+        """The request whose prompt is mid-way through chunked prefill continues first, every step, with as much
+        of its next chunk as the pool holds now, less keep_free (the decode tokens of a mixed batch): running
+        requests may have outgrown what was reserved for them since it was admitted. False when not one slot is
+        left: it waits while decoding frees (or retracts) some."""
+        room = self.kv_pool.available_size() + self.cache.evictable_size() - keep_free
+        if room <= 0:
+            return False
+        self._take(ReqSlice.next_of(req, room if self.rem_chunk is None else min(self.rem_chunk, room)))
         self.reserved += reserved_output(req, self.ratio)
+        return True
 
     def add(self, req: Req, check_sharing: bool) -> bool:
         """Try to admit one waiting request; returns False when no later request can fit this round either."""

@@ -224,8 +224,9 @@ class Scheduler:
         adder = PrefillAdder(self.cache, self.runner.req_pool, self.runner.kv_pool, self.running,
                              self.memory.new_token_ratio, self.args.max_prefill_tokens,
                              self.args.chunked_prefill_size, self.args.max_running_requests)
-        if self.chunked_req is not None:
-            adder.add_chunked(self.chunked_req)
+        decoding_too = len(self.running) if self.args.enable_mixed_chunk else 0
+        if self.chunked_req is not None and not adder.add_chunked(self.chunked_req, decoding_too):
+            return []  # no room for any of its next chunk yet; it stays the chunked request
         for req in self.waiting:
             self.match_prefix(req)
         root = self.cache.root if isinstance(self.cache, RadixCache) else None

@@ -36,12 +36,25 @@ import subprocess
 import sys
 import time
 
+from .peers_report import (
+    MAX_TOKENS,
+    SYSTEMS,
+    aims,
+    bandwidth_shares,
+    compare,
+    cpu_flags,
+    gguf_facts,
+    markdown,
+    measured,
+    memory_bandwidth,
+    plot,
+    step_bytes,
+)
+
 RESULTS = pathlib.Path(__file__).parent / "results"
 REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]  # where `python -m benchmarks.peers` resolves
 BENCH_CACHE = pathlib.Path(os.environ.get("FURCATE_CACHE") or "~/.cache/furcate").expanduser() / "bench"
 DEFAULT_VLLM_PYTHON = pathlib.Path("/work/vllm_venv/bin/python")
-SYSTEMS = ("furcate", "llama.cpp", "vllm", "hf")
-WORKLOADS = ("offline", "decode_b1", "shared_prefix")
 # Per precision: furcate's engine arguments, the GGUF llama.cpp reads ("source": the model's own Q4 file) and
 # the dtype vLLM and HF load the HF directory in (None: no such row).
 PRECISIONS = {
@@ -60,7 +73,6 @@ QUICK_SIZES = {"offline": {"num_prompts": 4, "prompt_range": (20, 100), "output_
                "shared_prefix": {"groups": 2, "per_group": 2, "system_len": 64, "question_len": 8, "output_len": 8,
                                  "seed": 1}}
 HF_BATCH = 16
-MAX_TOKENS = 24576  # KV capacity every system gets (furcate pool tokens, llama.cpp n_ctx, vLLM KV bytes)
 
 
 def build_workloads(tokenizer, sizes: dict) -> dict:
@@ -231,77 +243,6 @@ def prepare_models(shape: str, quant_type: str) -> dict:
             "hf_dir": resolve_model_path(furcate_model)}
 
 
-def gguf_facts(path: str) -> dict:
-    """Shape facts and the per-tensor sizes the bytes-per-step estimate needs."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    fields = {k: reader.fields[k].contents() for k in ("llama.block_count", "llama.attention.head_count",
-                                                       "llama.attention.head_count_kv", "llama.embedding_length",
-                                                       "llama.context_length")}
-    names = {t.name for t in reader.tensors}
-    # The embedding lookup reads one row per token; the table counts only where it doubles as the LM head.
-    counted = [t for t in reader.tensors if not (t.name == "token_embd.weight" and "output.weight" in names)]
-    return {"fields": fields, "tensors": [(t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes))
-                                          for t in counted]}
-
-
-def step_bytes(models: dict) -> dict[str, dict[str, float]]:
-    """Weight bytes one decode step reads, per precision and system: the GGUF tensor bytes for llama.cpp, params x
-    element size for float weights, and for furcate quantized its int4 kernel's operands (4 bits per weight plus a
-    bfloat16 scale and zero per 32) or its int8 rows (one bfloat16 scale per row), bfloat16 for the rest."""
-    source = gguf_facts(models["ggufs"]["source"])
-    params = sum(n for _, _, n, _ in source["tensors"])
-    quantized = 0.0
-    for _, kind, n, _ in source["tensors"]:
-        if kind in ("Q4_0", "Q4_1"):
-            quantized += n / 2 + n / 32 * 4
-        elif kind == "Q8_0":
-            quantized += n + n / source["fields"]["llama.embedding_length"] * 2
-        else:
-            quantized += n * 2
-    llama = {p: sum(b for *_, b in gguf_facts(models["ggufs"][p])["tensors"]) for p in ("F32", "BF16", "source")}
-    table = {"float32": 4 * params, "bfloat16": 2 * params}
-    out = {p: {s: table[p] for s in ("furcate", "vllm", "hf")} for p in table}
-    for precision, gguf in (("float32", "F32"), ("bfloat16", "BF16")):
-        out[precision]["llama.cpp"] = llama[gguf]
-    out["quantized"] = {"furcate": quantized, "llama.cpp": llama["source"]}
-    return out
-
-
-def memory_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
-    """Best-of-N read (sum) and copy bandwidth over a 1 GiB float32 tensor with the benchmark's thread count;
-    decode at batch 1 streams the weights once per token, so the read figure is its ceiling."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a = torch.ones(int(gib * 2**30) // 4)
-        b = torch.empty_like(a)
-        read, copy = [], []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            a.sum()
-            read.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            b.copy_(a)
-            copy.append(time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(previous)
-    nbytes = a.numel() * 4
-    return {"read_gb_s": nbytes / min(read) / 1e9, "copy_gb_s": 2 * nbytes / min(copy) / 1e9, "threads": threads,
-            "array_gib": gib, "repeats": repeats}
-
-
-def cpu_flags() -> list[str]:
-    """The native bfloat16 / AMX flags furcate's dtype and quantization defaults depend on."""
-    text = pathlib.Path("/proc/cpuinfo").read_text()
-    return sorted(flag for flag in ("avx512_bf16", "amx_tile") if f" {flag}" in text)
-
-
-# --- running the workers -------------------------------------------------------------------------------------------
-
 def run_worker(spec: dict, workloads_file: pathlib.Path) -> dict:
     output = workloads_file.with_name(f"{spec['system']}-{spec['precision']}.json")
     spec = {**spec, "workloads": str(workloads_file), "output": str(output)}
@@ -376,147 +317,6 @@ def run_vllm(python: str, spec: dict, workloads_file: pathlib.Path, settings: di
 
 
 # --- the report --------------------------------------------------------------------------------------------------
-
-def measured(result: dict | None) -> bool:
-    return bool(result) and "status" not in result
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of output positions before the two greedy outputs first differ."""
-    same = sum(next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
-               for ra, rb in zip(a, b))
-    return same / sum(len(r) for r in a)
-
-
-def compare(results: dict) -> dict:
-    """Ratios furcate / peer per precision and workload, and output agreement with furcate; a peer that did not
-    run shows its status."""
-    table = {}
-    for precision, systems in results.items():
-        ours = systems.get("furcate") if measured(systems.get("furcate")) else None
-        for workload in WORKLOADS:
-            row: dict = {}
-            for name, result in systems.items():
-                row[name] = result[workload]["output_tok_s"] if measured(result) else result["status"]
-            for peer in ("llama.cpp", "vllm", "hf"):
-                if ours and measured(systems.get(peer)):
-                    theirs = systems[peer][workload]
-                    row[f"furcate/{peer}"] = ours[workload]["output_tok_s"] / theirs["output_tok_s"]
-                    row[f"agreement_{peer}"] = agreement(ours[workload]["outputs"], theirs["outputs"])
-            row["max_foreign_cpu_s"] = max((r[workload]["foreign_cpu_seconds"] for r in systems.values()
-                                            if measured(r)), default=None)
-            table[f"{precision}/{workload}"] = row
-    return table
-
-
-def bandwidth_shares(results: dict, bytes_per_step: dict, bandwidth: dict) -> dict:
-    """decode_b1 per precision and system: weight bytes per token x tokens/s over the measured read bandwidth."""
-    shares = {}
-    for precision, systems in results.items():
-        for name, result in systems.items():
-            if measured(result) and name in bytes_per_step.get(precision, {}):
-                rate, nbytes = result["decode_b1"]["output_tok_s"], bytes_per_step[precision][name]
-                shares[f"{precision}/{name}"] = {"bytes_per_token": nbytes, "tok_s": rate,
-                                                 "gb_s": nbytes * rate / 1e9,
-                                                 "share": nbytes * rate / 1e9 / bandwidth["read_gb_s"]}
-    return shares
-
-
-def aims(table: dict) -> dict:
-    def get(key, column):
-        value = table.get(key, {}).get(column)
-        return value if isinstance(value, float) else None
-
-    floats, every = ("float32", "bfloat16"), tuple(PRECISIONS)
-    wanted = [("offline >= 1.5x vLLM CPU", "offline", "vllm", 1.5, floats),
-              ("shared-prefix >= 1.5x vLLM CPU", "shared_prefix", "vllm", 1.5, floats),
-              ("offline >= 1.5x llama.cpp batched", "offline", "llama.cpp", 1.5, every),
-              ("shared-prefix >= 1.5x llama.cpp batched", "shared_prefix", "llama.cpp", 1.5, every),
-              ("batch-1 decode >= 1.0x llama.cpp", "decode_b1", "llama.cpp", 1.0, every),
-              (">= 3x HF generate (offline)", "offline", "hf", 3.0, floats)]
-    return {f"{aim} (same precision)": {"target": target,
-                                        "values": {p: get(f"{p}/{workload}", f"furcate/{peer}") for p in precisions}}
-            for aim, workload, peer, target, precisions in wanted}
-
-
-def markdown(report: dict) -> str:
-    versions, bandwidth = report["versions"], report["bandwidth"]
-    lines = [f"# CPU peers: {report['model']} ({report['date']})", "",
-             f"{report['threads']} threads each, greedy; furcate {versions['furcate']}, llama-cpp-python "
-             f"{versions['llama_cpp']}, vLLM {versions.get('vllm') or '-'} (CPU build), transformers "
-             f"{versions['transformers']}, torch {versions['torch']}. CPU flags: "
-             f"{', '.join(report['cpu_flags']) or 'none of avx512_bf16/amx_tile'}. Load before the run: "
-             f"{report['load_before']}. Memory bandwidth ({bandwidth['threads']} threads, "
-             f"{bandwidth['array_gib']} GiB): read {bandwidth['read_gb_s']:.1f} GB/s, copy "
-             f"{bandwidth['copy_gb_s']:.1f} GB/s.", ""]
-    if report.get("furcate_args"):
-        lines += [f"furcate ran with {json.dumps(report['furcate_args'])} beside its defaults.", ""]
-    if report["quick"]:
-        lines += ["**Quick smoke-test sizes: these numbers measure nothing.**", ""]
-    lines += ["| precision / workload | furcate tok/s | llama.cpp tok/s | vLLM tok/s | HF tok/s | furcate/llama.cpp "
-              "| furcate/vLLM | furcate/HF | agreement llama.cpp | agreement vLLM | agreement HF | foreign CPU s |",
-              "|" + "---|" * 12]
-    for key, row in report["table"].items():
-        def cell(name, fmt="{:.1f}", row=row):
-            value = row.get(name)
-            return fmt.format(value) if isinstance(value, float) else (value or "-")
-        lines.append(f"| {key} | {cell('furcate')} | {cell('llama.cpp')} | {cell('vllm')} | {cell('hf')} | "
-                     f"{cell('furcate/llama.cpp', '{:.2f}x')} | {cell('furcate/vllm', '{:.2f}x')} | "
-                     f"{cell('furcate/hf', '{:.2f}x')} | {cell('agreement_llama.cpp', '{:.2f}')} | "
-                     f"{cell('agreement_vllm', '{:.2f}')} | {cell('agreement_hf', '{:.2f}')} | "
-                     f"{cell('max_foreign_cpu_s')} |")
-    lines += ["", "## Aims", ""]
-    for aim, entry in report["aims"].items():
-        shown = ", ".join(f"{p} {v:.2f}x {'met' if v >= entry['target'] else 'missed'}" if v is not None
-                          else f"{p} -" for p, v in entry["values"].items())
-        lines.append(f"- {aim}: {shown}")
-    lines += ["", "## Batch-1 decode against memory bandwidth", "",
-              "Weight bytes a step reads (the embedding table only where it is the tied LM head) x tokens/s, over "
-              "the measured read bandwidth.", "",
-              "| precision / system | MB per token | tok/s | GB/s | share of bandwidth |", "|---|---|---|---|---|"]
-    for key, share in report["decode_bandwidth"].items():
-        lines.append(f"| {key} | {share['bytes_per_token'] / 1e6:.1f} | {share['tok_s']:.1f} | {share['gb_s']:.2f} "
-                     f"| {share['share']:.0%} |")
-    lines += ["", "## Engines", ""]
-    for precision, settings in report["vllm_settings"].items():
-        lines.append(f"- {precision} vllm given: environment {json.dumps(settings['env'])}, kv_cache_memory_bytes "
-                     f"{settings['kv_cache_bytes']} ({MAX_TOKENS} tokens), max_model_len {settings['max_model_len']}, "
-                     "enable_prefix_caching True, seed 0; the rest vLLM's defaults")
-    for precision, engines in report["engines"].items():
-        for system, engine in engines.items():
-            lines.append(f"- {precision} {system}: {json.dumps(engine)}")
-    lines += ["", "Workloads: " + json.dumps(report["sizes"]), ""]
-    return "\n".join(lines)
-
-
-def plot(report: dict, path: pathlib.Path) -> None:
-    """Grouped bars of tok/s per workload and system, one panel per precision."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    precisions = list(report["engines"])
-    figure, axes = plt.subplots(1, len(precisions), figsize=(5 * len(precisions), 4), squeeze=False)
-    width = 0.8 / len(SYSTEMS)
-    for axis, precision in zip(axes[0], precisions):
-        for i, system in enumerate(SYSTEMS):
-            values = [report["table"][f"{precision}/{w}"].get(system) for w in WORKLOADS]
-            heights = [v if isinstance(v, float) else 0.0 for v in values]
-            axis.bar([x + (i - (len(SYSTEMS) - 1) / 2) * width for x in range(len(WORKLOADS))], heights, width,
-                     label=system)
-        axis.set_xticks(range(len(WORKLOADS)), WORKLOADS)
-        axis.set_title(precision)
-        axis.set_ylabel("output tok/s")
-    axes[0][0].legend()
-    figure.suptitle(f"{report['model']}, {report['threads']} threads" + (" (quick)" if report["quick"] else ""))
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -236,3 +236,11 @@ def test_a_grammar_built_by_gen_is_taken_as_built_and_flattened_only_for_the_wir
     assert params.grammar is built
     assert wire_sampling({"max_new_tokens": 4, "grammar": built}) == {"max_new_tokens": 4, "json_schema": built.spec}
     assert SamplingParams.from_dict(wire_sampling({"grammar": built})).grammar == built
+
+
+def test_a_top_k_beyond_int64_keeps_every_token(engine):
+    # Any integer is a valid top_k >= 1; one too large for a torch tensor once killed the scheduler.
+    # It samples as a top_k of the whole vocabulary does.
+    params = {"max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 1}
+    whole = engine.generate("a b c", {**params, "top_k": engine.info.vocab_size})["output_ids"]
+    assert engine.generate("a b c", {**params, "top_k": 2**70})["output_ids"] == whole

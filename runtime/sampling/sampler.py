@@ -168,7 +168,9 @@ def _keep_mask(sorted_probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     """Which of each row's tokens (sorted by probability, descending) its filters keep; the top one always."""
     width = sorted_probs.shape[-1]
     device = sorted_probs.device
-    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else width for row in rows], device=device)
+    # A top_k past the width keeps every token; clipped, as torch's int64 cannot hold any integer a request sends.
+    top_k = torch.tensor([min(row.params.top_k, width) if row.params.top_k > 0 else width for row in rows],
+                         device=device)
     top_p = torch.tensor([row.params.top_p for row in rows], dtype=sorted_probs.dtype, device=device)
     min_p = torch.tensor([row.params.min_p for row in rows], dtype=sorted_probs.dtype, device=device)
     keep = torch.arange(width, device=device)[None, :] < top_k[:, None]

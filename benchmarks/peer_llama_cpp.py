@@ -42,6 +42,11 @@ def write_gguf_copy(source: pathlib.Path, target: pathlib.Path, precision: str) 
             writer.add_tensor(tensor.name, quantize(weights, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(tensor.name, weights)
+    return finish_gguf(writer, partial, target)
+
+
+def finish_gguf(writer, partial: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+    """Write out a GGUFWriter's file under its temporary name, then move it into place whole."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

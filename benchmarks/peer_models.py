@@ -22,6 +22,8 @@ import pathlib
 
 import numpy as np
 
+from .peer_llama_cpp import finish_gguf
+
 SHAPE_1B = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 49152,
             "rope_theta": 500000.0, "rms_eps": 1e-5, "context": 131072}
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3}  # general.file_type: llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_0 / Q4_1
@@ -86,9 +88,4 @@ def write_random_gguf(target: pathlib.Path, tokenizer_gguf: pathlib.Path, shape:
         # One generator per tensor: the weights do not depend on the order tensors are written in.
         weights = np.random.default_rng([seed, index]).standard_normal(dims, dtype=np.float32) * STD
         writer.add_tensor(name, quantize(weights, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    partial.rename(target)
-    return target
+    return finish_gguf(writer, partial, target)

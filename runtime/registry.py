@@ -51,7 +51,8 @@ def is_registered(kind: str, name: str) -> bool:
 
 
 def check(kind: str, name: str) -> None:
-    if not is_registered(kind, name):
+    # A list or dict where a name belongs is refused like any other wrong name (it would not even hash).
+    if not isinstance(name, str) or not is_registered(kind, name):
         raise ValueError(f"{kind} must be one of {names(kind)}, got {name!r}")
 
 

@@ -244,3 +244,9 @@ def test_a_top_k_beyond_int64_keeps_every_token(engine):
     params = {"max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 1}
     whole = engine.generate("a b c", {**params, "top_k": engine.info.vocab_size})["output_ids"]
     assert engine.generate("a b c", {**params, "top_k": 2**70})["output_ids"] == whole
+
+
+@pytest.mark.parametrize("field", ["dtype", "speculative_algorithm", "grammar_backend"])
+def test_a_list_where_a_choice_belongs_names_the_field(field):
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(**{field: ["NGRAM"]})

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from .config import EngineArgs
 from .distributed.tp_layers import check_tp_size
+from .engine_rl import EngineRl
 from .messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
 from .model.loader import load_config, resolve_model_path
 from .request_builder import RequestBuilder
@@ -72,8 +73,9 @@ def start_scheduler_process() -> tuple[subprocess.Popen, Connection]:
         return process, accepted[0]
 
 
-class Engine:
-    """`Engine(model_path="default", **engine_args)`; see EngineArgs for the arguments."""
+class Engine(EngineRl):
+    """`Engine(model_path="default", **engine_args)`; see EngineArgs for the arguments. The RL calls (weight
+    updates, memory release, pause) are in engine_rl.py."""
 
     def __init__(self, model_path: str = "default", **kwargs: Any) -> None:
         self.args = EngineArgs(model_path=model_path, **kwargs)
@@ -177,8 +179,12 @@ class Engine:
         return {**self._rpc("get_stats"), **self.schema_checker.stats()}
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; False (nothing done) while requests are in flight."""
-        return self._rpc("flush_cache")
+        """Drop the prefix cache; False (nothing done) while running requests hold parts of it."""
+        return self.flush_cache_result()[0]
+
+    def flush_cache_result(self) -> tuple[bool, str]:
+        """flush_cache with the reason when it was refused."""
+        return self._control("flush_cache")
 
     def check_integrity(self) -> bool:
         """Verify the scheduler's KV bookkeeping (every slot free, cached or owned by one request)."""
@@ -322,14 +328,14 @@ class Engine:
             if not state.finished:
                 self._abandon(state)
 
-    def _rpc(self, method: str, timeout: float = 60) -> Any:
+    def _rpc(self, method: str, timeout: float = 60, payload: Any = None) -> Any:
         if self._dead is not None:
             raise RuntimeError(f"engine cannot serve: {self._dead}")
         future: Future = Future()
         call_id = next(self._call_ids)
         with self._lock:
             self._rpc_waiters[call_id] = future
-        self._send(RpcReq(method, call_id))
+        self._send(RpcReq(method, call_id, payload))
         return future.result(timeout=timeout)
 
     def _send(self, message: Any) -> None:

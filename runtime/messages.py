@@ -43,10 +43,20 @@ class AbortReq:
 
 @dataclass
 class RpcReq:
-    """A control call answered with one RpcOut: `get_stats`, `flush_cache`, `shutdown`."""
+    """A control call answered with one RpcOut: `get_stats`, `flush_cache`, `shutdown`, the RL calls
+    (scheduler/weight_sync.py); payload: the call's typed arguments, if it takes any."""
 
     method: str
     call_id: int
+    payload: Any = None
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """SGLang's reply to a control call: {"success": bool, "message": str}."""
+
+    success: bool
+    message: str = ""
 
 
 @dataclass
@@ -92,6 +102,7 @@ class ReqOutput:
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     input_logprob_start: int = 0
     spec: SpecCounts | None = None  # speculative decoding on: the request's totals when this output was sent
+    weight_version: str | None = None  # the weights this output's tokens were sampled with
 
 
 @dataclass

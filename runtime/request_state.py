@@ -29,6 +29,7 @@ class RequestState:
         self.prompt_tokens = len(req.input_ids)
         self.cached_tokens = 0
         self.spec: SpecCounts | None = None
+        self.weight_version: str | None = None
         self.logprobs: dict[str, list] = {}
         self.created = time.perf_counter()
         # Timing for the server's metrics: when the first output token arrived, and the seconds per token
@@ -56,6 +57,7 @@ class RequestState:
         self.finish_reason = out.finish_reason or self.finish_reason
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         self.spec = out.spec or self.spec  # totals: the latest is the whole count
+        self.weight_version = out.weight_version or self.weight_version
         new_logprobs = self._logprob_entries(out) if self.req.return_logprob else {}
         for key, entries in new_logprobs.items():
             self.logprobs.setdefault(key, []).extend(entries)
@@ -122,6 +124,8 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": time.perf_counter() - self.created,
         }
+        if self.weight_version is not None:
+            meta["weight_version"] = self.weight_version
         if self.schema_verdict is not None:
             meta.update(self.schema_verdict.meta())
         if self.spec is not None:

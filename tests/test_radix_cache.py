@@ -179,3 +179,40 @@ def test_random_operation_sequences_against_the_naive_twin(ops):
                 assert cache.match_prefix(locked_key).indices.numel() == len(locked_key), "evicted a locked node"
         cache.check_integrity()
         assert accounted(cache, kv_pool) == POOL, "sizes do not add up"
+
+
+class StaleReq:
+    """The fields of a request the cache reads."""
+
+    def __init__(self, cache: RadixCache, tokens: list[int], kv_pool: TokenToKVPool) -> None:
+        match = cache.match_prefix(tokens)
+        self.prefix_indices, self.last_node = match.indices, match.last_node
+        self.req_pool_idx = cache.req_pool.alloc()
+        own = kv_pool.alloc(len(tokens) - len(match.indices))
+        cache.req_pool.req_to_token[self.req_pool_idx, : len(tokens)] = torch.cat([match.indices, own])
+        cache.inc_lock_ref(self.last_node)
+        self.tokens = tokens
+
+    def token_ids_with_kv(self) -> list[int]:
+        return self.tokens
+
+
+def test_retire_frees_unlocked_kv_and_never_serves_a_running_requests_old_kv():
+    cache, kv_pool = make_cache()
+    insert(cache, kv_pool, [1, 2, 3, 4])
+    insert(cache, kv_pool, [7, 8, 9])
+    reader = StaleReq(cache, [1, 2, 3, 4, 5, 6], kv_pool)  # reads [1 2 3 4] from the tree, owns 5 6
+    assert cache.retire() == 4, "only the running request's prefix stays held"
+    assert cache.evictable_size() == 0 and cache.retired
+    assert cache.match_prefix([1, 2, 3, 4]).indices.numel() == 0, "K/V of the old weights was matched"
+    assert cache.is_stale(reader)
+    cache.cache_unfinished_req(reader)  # a chunk boundary: nothing of it may enter the live tree
+    assert cache.match_prefix([1, 2]).indices.numel() == 0
+    fresh = insert(cache, kv_pool, [1, 2, 3])  # computed under the new weights
+    cache.check_integrity()
+    cache.cache_finished_req(reader)
+    assert not cache.retired and cache.protected_size() == 0
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == fresh.tolist()
+    cache.check_integrity()
+    assert accounted(cache, kv_pool) == POOL, "the retired tree's slots must all come back"
+    assert cache.flush() and kv_pool.available_size() == POOL

@@ -42,5 +42,9 @@ class PrefixCache(Protocol):
     def flush(self) -> bool:
         """Drop everything cached; refused (False) while any request holds a lock."""
 
+    def retire(self) -> int:
+        """The weights changed: never serve K/V cached so far again (free it, or once its readers finish); returns
+        the tokens still held by running requests."""
+
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""

@@ -51,5 +51,9 @@ class ChunkCache:
     def flush(self) -> bool:
         return True
 
+    def retire(self) -> int:
+        """New weights: nothing is cached across requests, so nothing goes stale here."""
+        return 0
+
     def check_integrity(self) -> None:
         pass

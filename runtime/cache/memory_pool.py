@@ -54,10 +54,22 @@ class TokenToKVPool:
     ) -> None:
         self.size = size
         self.device = torch.device(device)
-        shape = (size + 1, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.shape, self.dtype, self.num_layers = (size + 1, num_kv_heads, head_dim), dtype, num_layers
+        self.restore()
         self.clear()
+
+    def restore(self) -> None:
+        """Allocate the buffers (again, after release)."""
+        self.k_buffer = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_buffer = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def release(self) -> None:
+        """Give the buffers' memory back (release_memory_occupation); only when no slot is in use."""
+        if len(self._free) != self.size:
+            raise RuntimeError(f"cannot release the KV pool: {self.size - len(self._free)} slots are in use")
+        empty = torch.empty((0, *self.shape[1:]), dtype=self.dtype, device=self.device)
+        self.k_buffer = [empty] * self.num_layers
+        self.v_buffer = [empty] * self.num_layers
 
     def available_size(self) -> int:
         return len(self._free)

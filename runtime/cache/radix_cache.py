@@ -3,6 +3,10 @@
 Every KV slot is owned either by a running request (its not-yet-cached tail) or by exactly one tree node.
 A node's lock count says how many running requests read it (through any descendant); only unlocked leaves are
 evicted, least recently used first.
+
+New weights make every cached K/V wrong (retire): unlocked nodes are freed at once, and the locked rest, which
+running requests still read, leaves the tree as a retired tree that nothing matches and that is freed as those
+requests let go. A request whose path is retired is stale: its K/V is never inserted into the live tree.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class RadixCache:
     def reset(self) -> None:
         self.root = TreeNode([], EMPTY, None)
         self.root.lock_ref = 1  # the root is never evicted
+        self.retired: list[TreeNode] = []  # roots of trees cached under earlier weights, still read
         self._evictable = 0
         self._protected = 0
 
@@ -112,7 +117,7 @@ class RadixCache:
     # -- locks --------------------------------------------------------------------------------------------
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:  # up to its tree's root, the live one or a retired one
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
@@ -120,16 +125,20 @@ class RadixCache:
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 1:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
             node.lock_ref -= 1
             node = node.parent
+        if node is not self.root:
+            self._prune_retired()
 
     # -- requests -----------------------------------------------------------------------------------------
 
     def cache_unfinished_req(self, req: Any) -> None:
+        if self.is_stale(req):  # computed partly under other weights: it keeps its own K/V
+            return
         tokens = req.token_ids_with_kv()
         slots = self.req_pool.req_to_token[req.req_pool_idx, : len(tokens)].clone()
         self._insert_and_free_duplicates(req, tokens, slots)
@@ -143,9 +152,19 @@ class RadixCache:
     def cache_finished_req(self, req: Any) -> None:
         tokens = req.token_ids_with_kv()
         slots = self.req_pool.req_to_token[req.req_pool_idx, : len(tokens)].clone()
-        self._insert_and_free_duplicates(req, tokens, slots)
+        if self.is_stale(req):
+            self.kv_pool.free(slots[len(req.prefix_indices) :])
+        else:
+            self._insert_and_free_duplicates(req, tokens, slots)
         self.dec_lock_ref(req.last_node)
         self.req_pool.free(req.req_pool_idx)
+
+    def is_stale(self, req: Any) -> bool:
+        """The request reads a retired tree: its K/V so far was computed under earlier weights."""
+        node = req.last_node
+        while node.parent is not None:
+            node = node.parent
+        return node is not self.root
 
     def _insert_and_free_duplicates(self, req: Any, tokens: list[int], slots: torch.Tensor) -> None:
         already = self.insert(tokens, slots)
@@ -171,6 +190,38 @@ class RadixCache:
                 heapq.heappush(leaves, parent)
         return freed
 
+    def retire(self) -> int:
+        """The weights changed: no K/V cached so far may be served again. Frees every unlocked node now and retires
+        the locked rest (see the module docstring); returns how many tokens stay held by running requests."""
+        self.evict(self._evictable)
+        if self.root.children:
+            self.retired.append(self.root)
+            self.root = TreeNode([], EMPTY, None)
+            self.root.lock_ref = 1
+        self._prune_retired()
+        return self._protected
+
+    def _prune_retired(self) -> None:
+        """Free the retired nodes nobody reads any more (a node's children are locked no more than it is)."""
+        stack = list(self.retired)
+        while stack:
+            node = stack.pop()
+            for child in list(node.children.values()):
+                if child.lock_ref == 0:
+                    self._free_subtree(child)
+                    del node.children[child.key[0]]
+                else:
+                    stack.append(child)
+        self.retired = [root for root in self.retired if root.children]
+
+    def _free_subtree(self, top: TreeNode) -> None:
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            self.kv_pool.free(node.value)
+            self._evictable -= len(node.key)
+            stack.extend(node.children.values())
+
     def evictable_size(self) -> int:
         return self._evictable
 
@@ -187,11 +238,11 @@ class RadixCache:
         return True
 
     def owned_slots(self) -> torch.Tensor:
-        values = [n.value for n in self._nodes() if n is not self.root]
+        values = [n.value for n in self._nodes(every_tree=True) if n.parent is not None]
         return torch.cat(values) if values else EMPTY
 
-    def _nodes(self) -> list[TreeNode]:
-        stack, nodes = [self.root], []
+    def _nodes(self, every_tree: bool = False) -> list[TreeNode]:
+        stack, nodes = [self.root, *(self.retired if every_tree else [])], []
         while stack:
             node = stack.pop()
             nodes.append(node)
@@ -200,8 +251,8 @@ class RadixCache:
 
     def check_integrity(self) -> None:
         evictable = protected = 0
-        for node in self._nodes():
-            if node is self.root:
+        for node in self._nodes(every_tree=True):
+            if node.parent is None:
                 continue
             assert len(node.key) == len(node.value) > 0, "a node's run and its slots differ in length"
             assert node.parent.children[node.key[0]] is node, "a node is not filed under its first token"

@@ -45,6 +45,22 @@ class FollowerFailed:
     traceback: str
 
 
+@dataclass
+class FollowerCall:
+    """Rank 0 -> follower between steps: run RankControl.<method>(*args) on your rank (scheduler/rank_control.py)."""
+
+    method: str
+    args: tuple
+
+
+@dataclass
+class FollowerReply:
+    """Follower -> rank 0: a FollowerCall's result, or the error it raised (message)."""
+
+    value: object = None
+    error: str | None = None
+
+
 class NoFollowers:
     """The model runner's followers when it runs alone (one rank, or a follower itself): nobody to tell."""
 
@@ -56,6 +72,12 @@ class NoFollowers:
 
     def run_step(self, forward: ForwardBatch, logit_rows: torch.Tensor) -> None:
         """Nobody runs the forward alongside."""
+
+    def start_call(self, method: str, *args: object) -> None:
+        """Nobody to call."""
+
+    def finish_call(self) -> list[object]:
+        return []
 
     def close(self, kill: bool = False) -> None:
         """Nothing to stop."""
@@ -145,6 +167,20 @@ class Followers:
                     if p.poll() is not None]
             raise RuntimeError(f"tensor-parallel {', '.join(gone) or 'rank'} is gone; the model cannot run "
                                "without it") from error
+
+    def start_call(self, method: str, *args: object) -> None:
+        """Have every follower start RankControl.<method>(*args); rank 0 runs its own part, then finish_call()."""
+        for pipe in self.pipes:
+            pipe.send(FollowerCall(method, args))
+
+    def finish_call(self) -> list[object]:
+        """Every follower's result of the call started; RuntimeError naming the first rank that failed (after all
+        replied, so the pipes stay in step)."""
+        replies = [pipe.recv() for pipe in self.pipes]
+        for rank, reply in enumerate(replies, start=1):
+            if reply.error is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank}: {reply.error}")
+        return [reply.value for reply in replies]
 
     def close(self, kill: bool = False) -> None:
         """Stop every follower (asked first, killed if it does not go; killed at once after a failed start, when

@@ -114,27 +114,30 @@ class DecoderForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name:
+            place = self.destination(name)
+            if place is None:
                 continue
-            target, shard = _fused_target(name)
+            target, rows = place
             if target not in params:
-                if target == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
-                    continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
             if self.tp.size > 1:
                 tensor = shard_tensor(name, tensor, self.tp)
             with torch.no_grad():
-                if shard is None:
-                    param.copy_(tensor)
-                else:
-                    param.narrow(0, *self._shard_range(target, shard)).copy_(tensor)
+                (params[target] if rows is None else params[target].narrow(0, *rows)).copy_(tensor)
             loaded.add(target)
         missing = set(params) - loaded
-        if getattr(self.config, "tie_word_embeddings", False):
-            missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:8]}")
+
+    def destination(self, name: str) -> tuple[str, tuple[int, int] | None] | None:
+        """Where HF checkpoint tensor `name` goes: our parameter, and its (start, length) rows in a fused one.
+        None: nothing to load (rotary buffers; an LM head tied to the embedding, which holds it already)."""
+        if "rotary_emb" in name:
+            return None
+        target, shard = _fused_target(name)
+        if target == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+            return None
+        return target, None if shard is None else self._shard_range(target, shard)
 
     def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
         attn = self.model.layers[0].self_attn

@@ -71,6 +71,7 @@ class ModelRunner:
     follower's runner only runs forwards."""
 
     def __init__(self, args: EngineArgs, model_path: str, rank: int = 0, spawned: Spawned | None = None) -> None:
+        self.args = args
         self.config = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype, self.config, args.device)
         self.tp = TensorParallel(rank, args.tp_size)
@@ -126,6 +127,11 @@ class ModelRunner:
                                else f"attention backend {type(self.attn_backend).__name__} cannot be captured")
             return None
         return CudaGraphRunner(self.model, self.attn_backend, sizes, self.req_pool, self.kv_pool, args.device)
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again: resumed weights and K/V buffers live at new addresses."""
+        if self.graphs is not None:
+            self.graphs = self._capture_graphs(self.args)
 
     def _tokens_from_memory(self, args: EngineArgs, model_path: str) -> int:
         _, num_kv_heads, head_dim = attention_shape(self.config)

@@ -1,13 +1,31 @@
 """The scheduler's control calls (RpcReq methods): statistics, cache flush, the KV integrity check, and what
-plug-ins add."""
+plug-ins add (the RL calls: weight_sync.py).
+
+A handler takes the call's payload and returns its answer, or a Deferred when the answer must wait for the loop
+(requests aborted a moment ago still settling): the loop polls it each round and answers when it is ready.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from ..messages import RpcOut, RpcReq
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
+
+
+NOT_YET = object()
+Handler = Callable[[Any], Any]
+
+
+@dataclass
+class Deferred:
+    """An answer the loop polls for: poll() returns NOT_YET until it is known (or raises, answering the error)."""
+
+    poll: Callable[[], Any]
 
 
 class SchedulerRpc:
@@ -16,17 +34,44 @@ class SchedulerRpc:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.methods: dict[str, Callable[[], Any]] = {
-            "get_stats": self.get_stats, "flush_cache": self.flush_cache, "check_integrity": self.check_integrity,
+        self.methods: dict[str, Handler] = {
+            "get_stats": self.get_stats, "check_integrity": self.check_integrity,
         }
         for plugin in scheduler.plugins:
             self.methods.update(plugin.rpc_methods())
+        self.deferred: list[tuple[int, Deferred]] = []
 
-    def answer(self, method: Any) -> Any:
-        handler = self.methods.get(method) if isinstance(method, str) else None
-        return ValueError(f"unknown RPC method {method!r}") if handler is None else handler()
+    def answer(self, call: RpcReq) -> RpcOut | None:
+        """The call's answer now, or None when it was deferred (advance() sends it)."""
+        handler = self.methods.get(call.method) if isinstance(call.method, str) else None
+        if handler is None:
+            return RpcOut(call.call_id, ValueError(f"unknown RPC method {call.method!r}"))
+        result = self._run(lambda: handler(call.payload))
+        if isinstance(result, Deferred):
+            self.deferred.append((call.call_id, result))
+            return None
+        return RpcOut(call.call_id, result)
 
-    def get_stats(self) -> dict[str, Any]:
+    def advance(self) -> list[RpcOut]:
+        """Answers of deferred calls that became known."""
+        answered, waiting = [], []
+        for call_id, deferred in self.deferred:
+            result = self._run(deferred.poll)
+            if result is NOT_YET:
+                waiting.append((call_id, deferred))
+            else:
+                answered.append(RpcOut(call_id, result))
+        self.deferred = waiting
+        return answered
+
+    @staticmethod
+    def _run(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - a bad call is answered with its error; the loop goes on
+            return error
+
+    def get_stats(self, _: None = None) -> dict[str, Any]:
         s = self.scheduler
         runner = s.runner
         stats = {
@@ -53,11 +98,7 @@ class SchedulerRpc:
             stats.update(plugin.stats())
         return stats
 
-    def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused while requests are in flight (they hold parts of it)."""
-        return self.scheduler.idle and self.scheduler.cache.flush()
-
-    def check_integrity(self) -> bool:
+    def check_integrity(self, _: None = None) -> bool:
         s = self.scheduler
         s.memory.check_integrity(s.running + ([s.chunked_req] if s.chunked_req else []) + self.held())
         return True

@@ -22,6 +22,7 @@ from ..distributed.spawn import Spawned
 from ..finish_reason import FinishReason
 from ..messages import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .batch import ReqSlice, ScheduleBatch, build_batch
+from .generation_control import GenerationControl
 from .grammar_queue import GrammarQueue
 from .jump_forward import forced_tokens
 from .launchers import OverlapLauncher, PlainLauncher
@@ -33,6 +34,7 @@ from .prefill_adder import PrefillAdder
 from .req import Req
 from .rpc import SchedulerRpc
 from .speculation import SpeculativeLauncher, Speculator, step_tokens
+from .weight_sync import WeightSync
 
 logger = logging.getLogger("furcate.scheduler")
 
@@ -58,8 +60,11 @@ class Scheduler:
         self.grammars = GrammarQueue(self, GrammarCache(backend) if backend else None, args.grammar_compile_timeout)
         # A disaggregation side first: a prefill server cuts every request to its first token before it queues.
         self.speculator = Speculator(args, self.runner) if args.speculative_algorithm else None
+        self.control = GenerationControl(self)
+        self.weights = WeightSync(self)
         self.plugins: list[SchedulerPlugin] = [*disaggregation_side(self), self.grammars,
-                                               *([self.speculator] if self.speculator else [])]
+                                               *([self.speculator] if self.speculator else []), self.control,
+                                               self.weights]
         self.rpc = SchedulerRpc(self)
         self.chunked_req: Req | None = None
         self.last_batch_prefilled = False
@@ -91,6 +96,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked_req)
 
     @property
+    def held(self) -> bool:
+        """Nothing may be scheduled: generation is paused, or the weights or K/V memory are released."""
+        return self.control.paused or self.weights.blocks_forwards
+
+    @property
     def idle(self) -> bool:
         return not (self.has_work or self.plugins_pending)
 
@@ -102,7 +112,7 @@ class Scheduler:
 
     def event_loop(self) -> None:
         try:
-            while self.receive_messages(block=not (self.has_work or self.launcher.busy)):
+            while self.receive_messages(block=not (self.has_work and not self.held or self.launcher.busy)):
                 self.step()
                 self.send_outputs()
         finally:
@@ -115,22 +125,27 @@ class Scheduler:
         tokens are known by the end of the round."""
         if self.launcher.busy and self.memory.room() < len(self.running):
             self.launcher.drain()  # retraction must see every sampled token
-        self.launcher.submit(self.next_batch())
+        self.launcher.submit(None if self.held else self.next_batch())
 
     def receive_messages(self, block: bool) -> bool:
         """Handle everything the engine sent; False once it asked to shut down."""
         # Requests waiting only on a plug-in (a grammar, a KV transfer) must not block the loop: poll until they settle.
-        for message in receive(self.conn, block=block, timeout=0.002 if self.plugins_pending else None):
+        polling = self.plugins_pending or bool(self.rpc.deferred)
+        for message in receive(self.conn, block=block, timeout=0.002 if polling else None):
             if isinstance(message, RpcReq) and message.method == "shutdown":
                 self.conn.send([RpcOut(message.call_id, True)])
                 return False
             self.handle(message)
         for plugin in self.plugins:
             plugin.advance()
+        self.outputs += self.rpc.advance()
         return True
 
     def send_outputs(self) -> None:
         if self.outputs:
+            for out in self.outputs:
+                if isinstance(out, ReqOutput):
+                    out.weight_version = self.weights.version
             self.conn.send(self.outputs)
             self.outputs = []
 
@@ -148,7 +163,8 @@ class Scheduler:
         elif isinstance(message, AbortReq):
             self.abort(message.rid)
         elif isinstance(message, RpcReq):
-            self.outputs.append(RpcOut(message.call_id, self.rpc.answer(message.method)))
+            if (answer := self.rpc.answer(message)) is not None:
+                self.outputs.append(answer)
         else:
             raise TypeError(f"scheduler got an unknown message {type(message).__name__}")
 
@@ -168,13 +184,14 @@ class Scheduler:
         if not any(plugin.take_ready(req) for plugin in self.plugins):
             self.waiting.append(req)
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, reason: FinishReason | None = None) -> None:
+        reason = reason or FinishReason.abort("aborted by request")
         for plugin in self.plugins:
             for req in plugin.remove(rid):
-                self.finish(req, FinishReason.abort("aborted by request"))
+                self.finish(req, reason)
             for req in plugin.holding():
                 if req.rid == rid and not req.finished:  # its memory is released when the plug-in settles it
-                    self.finish(req, FinishReason.abort("aborted by request"))
+                    self.finish(req, reason)
         matches = [r for r in self.waiting + self.running + [self.chunked_req] if r is not None and r.rid == rid]
         for req in matches:
             if req in self.waiting:
@@ -184,7 +201,7 @@ class Scheduler:
             self.running = [r for r in self.running if r is not req]
             if self.chunked_req is req:
                 self.chunked_req = None
-            self.finish(req, FinishReason.abort("aborted by request"))
+            self.finish(req, reason)
 
     # -- batching -------------------------------------------------------------------------------------------
 

@@ -17,10 +17,11 @@ from multiprocessing.connection import Connection
 def serve(pipe: Connection) -> None:
     import torch
 
-    from ..distributed.followers import FollowerFailed, FollowerStart
+    from ..distributed.followers import FollowerCall, FollowerFailed, FollowerStart
     from ..distributed.parallel_state import TensorParallel, join_group, leave_group
     from ..distributed.step_sync import receive_step
     from .model_runner import ModelRunner
+    from .rank_control import RankControl, run_call
 
     start: FollowerStart = pipe.recv()
     args = start.args
@@ -32,8 +33,12 @@ def serve(pipe: Connection) -> None:
         pipe.send(FollowerFailed(traceback.format_exc()))
         raise
     pipe.send("ready")
+    control = RankControl(runner)
     try:
         while (header := pipe.recv()) is not None:
+            if isinstance(header, FollowerCall):
+                pipe.send(run_call(control, header))
+                continue
             forward, logit_rows = receive_step(header, runner.req_pool, runner.kv_pool, args.device)
             runner.attn_backend.init_forward_metadata(forward)
             runner.run_forward(forward, logit_rows)

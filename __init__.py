@@ -45,6 +45,7 @@ __all__ = [
     "Backend", "Engine", "EngineArgs", "Function", "LocalBackend", "OpenAI", "ProgramError", "ProgramState",
     "ProgramStateGroup", "Runtime", "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end",
     "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "greedy_token_selection", "image",
+    "init_weight_group", "serialize_named_tensors",
     "select", "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
     "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video",
 ]
@@ -55,34 +56,24 @@ if TYPE_CHECKING:
     from .interpreter.backends.openai_backend import OpenAI
     from .interpreter.backends.runtime_server import Runtime
     from .runtime.config import EngineArgs
+    from .runtime.distributed.weight_group import init_weight_group
     from .runtime.engine import Engine
+    from .runtime.engine_rl import serialize_named_tensors
+
+
+# The runtime pulls in torch, the remote backends aiohttp / openai: imported when a user first reaches for them.
+LAZY = {
+    "Engine": "runtime.engine", "EngineArgs": "runtime.config", "LocalBackend": "interpreter.backends.local",
+    "RuntimeEndpoint": "interpreter.backends.endpoint", "Runtime": "interpreter.backends.runtime_server",
+    "OpenAI": "interpreter.backends.openai_backend",
+    # RL trainers: the HTTP form of update_weights_from_tensor, and the weight group SGLang's trainers join.
+    "serialize_named_tensors": "runtime.engine_rl", "init_weight_group": "runtime.distributed.weight_group",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # The runtime pulls in torch; import it only when a user reaches for it.
-    if name == "Engine":
-        from .runtime.engine import Engine
+    if name in LAZY:
+        import importlib
 
-        return Engine
-    if name == "EngineArgs":
-        from .runtime.config import EngineArgs
-
-        return EngineArgs
-    if name == "LocalBackend":
-        from .interpreter.backends.local import LocalBackend
-
-        return LocalBackend
-    # The remote backends pull in aiohttp / openai: also imported on first use only.
-    if name == "RuntimeEndpoint":
-        from .interpreter.backends.endpoint import RuntimeEndpoint
-
-        return RuntimeEndpoint
-    if name == "Runtime":
-        from .interpreter.backends.runtime_server import Runtime
-
-        return Runtime
-    if name == "OpenAI":
-        from .interpreter.backends.openai_backend import OpenAI
-
-        return OpenAI
+        return getattr(importlib.import_module(f".{LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'furcate' has no attribute {name!r}")

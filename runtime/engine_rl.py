@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save as save_blob
 
 from .messages import ControlResult
+from .model.weight_update import tensor_specs
 from .weight_messages import (
     DEFAULT_GROUP,
     DEFAULT_GROUP_TIMEOUT_S,
@@ -136,8 +137,7 @@ class EngineRl:
                                         load_format: str | None = None) -> tuple[bool, str]:
         """Receive each tensor, in order, as the trainer broadcasts it in the group."""
         _load_format(load_format)
-        if not all(isinstance(v, (list, tuple)) for v in (names, dtypes, shapes)):
-            raise ValueError("names, dtypes and shapes must be lists")
+        tensor_specs(names, dtypes, shapes)  # the scheduler checks them against the model
         call = UpdateFromDistributed(list(names), list(dtypes), [list(s) if isinstance(s, (list, tuple)) else s
                                                                   for s in shapes],
                                      check_text("group_name", group_name), check_flag("flush_cache", flush_cache),

@@ -12,7 +12,7 @@ from aiohttp import web
 from ..config import ServerArgs
 from ..engine import Engine, QueueFullError
 from ..messages import PeerServerError
-from . import native, openai_api
+from . import native, openai_api, rl_routes
 from .errors import ApiError, error_response
 from .keys import ENGINE, METRICS, SETTINGS
 from .metrics import ServerMetrics
@@ -33,6 +33,7 @@ def create_app(engine: Engine, settings: ServerArgs) -> web.Application:
     app[METRICS] = ServerMetrics(engine)
     native.add_routes(app)
     openai_api.add_routes(app)
+    rl_routes.add_routes(app)
     return app
 
 

@@ -153,18 +153,20 @@ async def get_load(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     if request.method not in ("GET", "POST"):
         raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
-    if await asyncio.to_thread(_engine(request).flush_cache):
-        return web.json_response({"success": True, "message": "cache flushed"})
-    return web.json_response({"success": False, "message": "cache not flushed: requests are in flight"},
-                             status=400)
+    success, message = await asyncio.to_thread(_engine(request).flush_cache_result)
+    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
 
 
 async def abort_request(request: web.Request) -> web.Response:
+    """SGLang's {"rid"} or {"abort_all": true}."""
     body = await read_json_object(request)
-    rid = body.get("rid")
-    if not isinstance(rid, str) or not rid:
-        raise ApiError(400, f"rid must be a non-empty string, got {rid!r}")
-    _engine(request).abort(rid)
+    check_fields(body, frozenset({"rid", "abort_all"}))
+    rid, abort_all = body.get("rid"), body.get("abort_all", False)
+    if not isinstance(abort_all, bool):
+        raise ApiError(400, f"abort_all must be true or false, got {abort_all!r}")
+    if not abort_all and (not isinstance(rid, str) or not rid):
+        raise ApiError(400, f"rid must be a non-empty string (or send abort_all: true), got {rid!r}")
+    await asyncio.to_thread(_engine(request).abort_request, rid or "", abort_all)
     return web.json_response({"success": True})
 
 

@@ -299,6 +299,9 @@ def test_tp2_update_from_tensor_each_rank_keeps_its_shard(engines, tiny_model_di
     success, message = tp2.update_weights_from_tensor(list(new.items()), weight_version="tp")
     assert success, message
     assert greedy(tp2)["output_ids"] == model_with(model_dir, new).greedy(PROMPT, 8)
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                 "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):  # the shards, joined
+        assert torch.equal(torch.tensor(tp2.get_weights_by_name(name, 100)), new[name][:100]), name
     bad = tp2.update_weights_from_tensor([("model.layers.0.mlp.down_proj.weight", torch.ones(64, 127))])
     assert not bad[0] and "shape" in bad[1]
     assert greedy(tp2)["output_ids"] == model_with(model_dir, new).greedy(PROMPT, 8)
@@ -347,3 +350,22 @@ def test_http_routes_take_sglangs_bodies_behind_the_api_key(tiny_model_dirs):
         assert post("/abort_request", {"abort_all": True}).json() == {"success": True}
         again = post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()
         assert again["output_ids"] == generated["output_ids"]
+
+
+def test_gguf_quantized_layers_refuse_updates_with_a_clear_error(tmp_path, monkeypatch):
+    from furcate.runtime.model.default_model import find_default_gguf, prepare_user_gguf
+    from furcate.runtime.model.loader import load_model
+    from furcate.runtime.model.quantize import apply_quantization
+    from furcate.runtime.model.weight_update import TensorSpec, WeightWriter
+    from tiny_gguf import build_tiny_gguf
+
+    monkeypatch.setenv("FURCATE_CACHE", str(tmp_path))
+    model_dir = prepare_user_gguf(str(build_tiny_gguf(tmp_path / "tiny.gguf", find_default_gguf())))
+    model = load_model(str(model_dir), torch.float32)
+    assert apply_quantization(model, "gguf", str(model_dir)).layers
+    writer = WeightWriter(model)
+    hidden = model.config.hidden_size
+    writer.plan([TensorSpec("model.norm.weight", torch.float32, (hidden,))])  # dense tensors still update
+    with pytest.raises(ValueError, match="quantization='none'"):
+        writer.plan([TensorSpec("model.layers.0.mlp.down_proj.weight", torch.float32,
+                                (hidden, model.config.intermediate_size))])

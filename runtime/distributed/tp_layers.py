@@ -96,6 +96,19 @@ def shard_tensor(name: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.T
     return tensor
 
 
+def unshard_tensor(name: str, shards: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """The whole checkpoint tensor `name` from every rank's shard_tensor part, in rank order."""
+    parts = name.split(".")
+    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    if module in COLUMN_PARALLEL:
+        return torch.cat(shards, dim=0)
+    if module in ROW_PARALLEL and kind == "weight":
+        return torch.cat(shards, dim=1)
+    if module in VOCAB_PARALLEL:
+        return torch.cat(shards, dim=0)[:vocab_size]  # the last rank's padding rows cut
+    return shards[0]
+
+
 def check_tp_size(config, tp_size: int) -> None:
     """A clear error before any process starts when the model cannot be split tp_size ways."""
     sizes = {

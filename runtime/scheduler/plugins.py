@@ -1,7 +1,7 @@
 """The scheduler's plug-in seam: parts that hold requests outside its queues attach through these hooks.
 
-A plug-in (the grammar queue, a prefill/decode disaggregation side, and next weight updates) is built with the
-scheduler's handle, sees each request at the points below, and acts back only through that handle. The loop
+A plug-in (the grammar queue, a prefill/decode disaggregation side, pause and continue, weight updates) is built
+with the scheduler's handle, sees each request at the points below, and acts back only through that handle. The loop
 calls every plug-in at each point; none of them has a branch of its own in the loop.
 """
 

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_blob
@@ -126,8 +127,9 @@ class RankControl:
     def discard(self) -> None:
         self.staged = None
 
-    def read(self, name: str, rows: int) -> list:
-        return self.writer.read(name)[:rows].float().tolist()
+    def read_shard(self, name: str) -> np.ndarray:
+        """This rank's part of tensor `name`, as float32 numpy (pickled by value through a follower's pipe)."""
+        return self.writer.read(name).float().numpy()
 
     # -- the trainer's group ------------------------------------------------------------------------------
 

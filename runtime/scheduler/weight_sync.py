@@ -10,10 +10,14 @@ an update keeps its own K/V (SGLang's in-place semantics); its later tokens come
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from ..distributed.tp_layers import unshard_tensor
 from ..messages import ControlResult
 from ..model.loader import resolve_model_path
 from ..weight_messages import GetWeights, InitGroup, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor
@@ -90,13 +94,19 @@ class WeightSync(SchedulerPlugin):
 
     def on_every_rank(self, method: str, *args: Any) -> Any:
         """RankControl.<method> on this rank and, at the same time, on every follower; this rank's value."""
+        return self.values_on_every_rank(method, *args)[0]
+
+    def values_on_every_rank(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's value of RankControl.<method>, in rank order."""
         followers = self.runner.followers
         followers.start_call(method, *args)
         try:
             value = getattr(self.control, method)(*args)
-        finally:
-            followers.finish_call()
-        return value
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # the followers failed alike; this rank's error says why
+                followers.finish_call()
+            raise
+        return [value, *followers.finish_call()]
 
     def on_every_rank_quietly(self, method: str) -> None:
         try:
@@ -131,9 +141,9 @@ class WeightSync(SchedulerPlugin):
     def get_weights(self, call: GetWeights) -> list:
         if "weights" in self.released:
             raise ValueError("weights are released; resume_memory_occupation first")
-        if self.runner.tp.size > 1:
-            raise ValueError("get_weights_by_name reads one rank's shard; it runs with tp_size 1 only")
-        return self.control.read(call.name, call.truncate_size)
+        shards = [torch.from_numpy(shard) for shard in self.values_on_every_rank("read_shard", call.name)]
+        whole = unshard_tensor(call.name, shards, self.runner.config.vocab_size)
+        return whole[: call.truncate_size].tolist()
 
     # -- memory -------------------------------------------------------------------------------------------
 

@@ -22,13 +22,17 @@ from transformers import AutoModelForCausalLM
 
 
 def round_weights(model_dir: Path | str, round_number: int) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights, scaled by a seeded random factor per element: a new model each round."""
+    """The checkpoint's weights, scaled by a seeded random factor per element: a new model each round (a tied LM
+    head stays the embedding's tensor)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(round_number)
-    weights = {}
+    weights, by_storage = {}, {}
     for name, tensor in model.state_dict().items():
-        noise = torch.randn(tensor.shape, generator=generator)
-        weights[name] = (tensor * (1 + 0.5 * noise)).contiguous()
+        key = tensor.untyped_storage().data_ptr()
+        if key not in by_storage:
+            noise = torch.randn(tensor.shape, generator=generator)
+            by_storage[key] = (tensor * (1 + 0.5 * noise)).contiguous()
+        weights[name] = by_storage[key]
     return weights
 
 

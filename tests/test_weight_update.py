@@ -97,6 +97,20 @@ def test_update_from_disk_and_a_running_request_across_an_update(engine, tiny_mo
     assert after["output_ids"] == model_with(model_dir, new).greedy(PROMPT, 8)
 
 
+def test_every_family_updates_exactly(tiny_model_dirs):
+    """Qwen2 (QKV bias, tied head), Qwen3 (q/k norms, tied) and Mistral (sliding window): each equals HF with
+    its new weights."""
+    archs = ("qwen2", "qwen3", "mistral")
+    args = {**EXACT, "max_total_tokens": 1024, "torch_num_threads": 1}
+    with engines_side_by_side(*((str(tiny_model_dirs[arch]), args) for arch in archs)) as started:
+        for arch, engine in zip(archs, started):
+            new = round_weights(tiny_model_dirs[arch], 3)
+            success, message = engine.update_weights_from_tensor(list(new.items()))
+            assert success, message
+            expected = model_with(tiny_model_dirs[arch], new).greedy(PROMPT, 8)
+            assert greedy(engine)["output_ids"] == expected, arch
+
+
 @pytest.mark.parametrize("bad, why", [
     ([("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))], "shape"),
     ([("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))], "no place"),

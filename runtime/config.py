@@ -133,6 +133,12 @@ class EngineArgs:
     # The n-gram lengths matched against earlier text, longest first; a shorter match drafts more often and worse.
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 4
+    # Images (vision-language models): decoded pixels allowed per image, images per request, and whether http(s)
+    # image URLs are fetched (off by default: a server must not fetch arbitrary addresses; on, with a size and a
+    # time limit). Local file paths are read by the Engine; the HTTP server reads them only from data: URLs.
+    max_image_pixels: int = 4096 * 4096
+    max_images_per_request: int = 16
+    allow_remote_images: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,6 +170,9 @@ class EngineArgs:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
         self._validate_disaggregation()
         self._validate_speculative()
+        for name in ("max_image_pixels", "max_images_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")

@@ -28,6 +28,9 @@ from .distributed.tp_layers import check_tp_size
 from .engine_rl import EngineRl
 from .messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
 from .model.loader import load_config, resolve_model_path
+from .model.vision import checkpoint_vision_spec
+from .multimodal.images import ImageLimits
+from .multimodal.prompt import ImagePrompts
 from .request_builder import RequestBuilder
 from .request_state import RequestState
 from .scheduler.process import AUTHKEY_ENV
@@ -53,6 +56,16 @@ def _deadline(timeout: Any, stream: bool) -> float | None:
 
 def _bootstrap_fields(host: Any, port: Any, room: Any) -> dict[str, Any]:
     return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+
+
+def image_prompts(model_path: str, args: EngineArgs, vocab_size: int) -> ImagePrompts | None:
+    """A vision-language model's image processing on this side; None for a text-only model."""
+    spec = checkpoint_vision_spec(model_path)
+    if spec is None:
+        return None
+    limits = ImageLimits(max_pixels=args.max_image_pixels, max_images=args.max_images_per_request,
+                         allow_remote=args.allow_remote_images)
+    return ImagePrompts(model_path, spec, vocab_size, limits)
 
 
 def start_scheduler_process() -> tuple[subprocess.Popen, Connection]:
@@ -88,7 +101,8 @@ class Engine(EngineRl):
         self._process, self._conn = start_scheduler_process()
         self._send((self.args, self.model_path, self.tokenizer_path))
         self.info = self._wait_ready()
-        self.builder = RequestBuilder(self.tokenizer, self.info)
+        self.builder = RequestBuilder(self.tokenizer, self.info, image_prompts(self.model_path, self.args,
+                                                                               self.info.vocab_size))
         self._states: dict[str, RequestState] = {}
         self._rpc_waiters: dict[int, Future] = {}
         self._call_ids = itertools.count()
@@ -108,18 +122,21 @@ class Engine(EngineRl):
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  stream: bool = False, rid: str | None = None, timeout: float | None = None,
                  bootstrap_host: str | None = None, bootstrap_port: int | None = None,
-                 bootstrap_room: int | None = None):
+                 bootstrap_room: int | None = None, image_data: Any = None):
         """Generate for one prompt (returns a dict) or a list (returns a list, n results per prompt, in order).
 
         With stream=True (one prompt, n=1) returns an iterator of chunks: `text` is cumulative, logprob lists
         hold only the new entries. With `timeout` (seconds, not for streams) requests still unfinished then are
         aborted and TimeoutError is raised. The bootstrap fields pair a request's halves on prefill and decode
-        engines (disaggregation_mode).
+        engines (disaggregation_mode). `image_data` (vision-language models): one image per prompt or a list per
+        prompt, each a path, bytes, a PIL image, a base64 string or a data: URL, shown where the prompt has the
+        model's image placeholder.
         """
         deadline = _deadline(timeout, stream)
         reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                           top_logprobs_num, rid, stream, return_text_in_logprobs,
-                                          _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room))
+                                          _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room),
+                                          image_data)
         self._check_capacity(len(reqs))
         if stream:
             return self._stream_sync(reqs[0], return_text_in_logprobs)
@@ -138,13 +155,14 @@ class Engine(EngineRl):
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              return_text_in_logprobs: bool = False, stream: bool = False, rid: str | None = None,
                              timeout: float | None = None, bootstrap_host: str | None = None,
-                             bootstrap_port: int | None = None, bootstrap_room: int | None = None):
+                             bootstrap_port: int | None = None, bootstrap_room: int | None = None,
+                             image_data: Any = None):
         """Async twin of generate(); with stream=True returns an async iterator of chunks."""
         _deadline(timeout, stream)
         bootstrap = _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room)
         build_args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, rid,
-                      stream, return_text_in_logprobs, bootstrap)
-        if prompt is None:  # token ids: nothing slow to do
+                      stream, return_text_in_logprobs, bootstrap, image_data)
+        if prompt is None and image_data is None:  # token ids: nothing slow to do
             reqs, single = self.builder.build(*build_args)
         else:  # tokenizing a long prompt must not stall every other coroutine on this loop (fast tokenizers
             # release the GIL); the thread raises the same ValueError here

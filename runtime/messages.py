@@ -21,6 +21,34 @@ class Bootstrap:
     room: int
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image of a prompt: its tokens are input_ids[offset : offset + length], each holding `pad_id`, a value
+    past the vocabulary derived from the image's hash (so the radix cache shares a prefix only with the same
+    image), whose embeddings come from encoding `pixel_values` (the model's image processor's output)."""
+
+    digest: str
+    offset: int
+    length: int
+    pad_id: int
+    token_id: int  # the model's image placeholder id: what logprobs and penalties see at those positions
+    pixel_values: Any  # numpy float32 [3, H, W]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class ImagePiece:
+    """The part of an image a forward computes: the image's tokens `tokens` sit at packed rows `rows` (a prefill
+    chunk or a cached prefix may cut an image anywhere)."""
+
+    image: ImageSpan
+    rows: range
+    tokens: range
+
+
 @dataclass
 class TokenizedGenerateReq:
     rid: str
@@ -34,6 +62,7 @@ class TokenizedGenerateReq:
     # A streamed request's outputs go to the engine every step; one nobody streams sends its first tokens (they
     # time the first token) and then everything else once, when it ends.
     stream: bool = False
+    images: list[ImageSpan] = field(default_factory=list)
 
 
 @dataclass

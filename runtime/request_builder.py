@@ -8,7 +8,9 @@ import re
 import uuid
 from typing import Any
 
-from .messages import Bootstrap, SchedulerReady, TokenizedGenerateReq
+from .messages import Bootstrap, ImageSpan, SchedulerReady, TokenizedGenerateReq
+from .multimodal.images import per_prompt_images
+from .multimodal.prompt import ImagePrompts
 from .sampling.params import SamplingParams
 
 # A DNS name, an IPv4 address or an IPv6 address (bare or in brackets): nothing that could bend the URL.
@@ -18,13 +20,15 @@ MAX_REQUESTS_PER_CALL = 8192
 
 
 class RequestBuilder:
-    def __init__(self, tokenizer, info: SchedulerReady) -> None:
+    def __init__(self, tokenizer, info: SchedulerReady, images: ImagePrompts | None = None) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self.images = images  # a vision-language model's image processing; None: text only
 
     def build(self, prompt, sampling_params, input_ids, return_logprob: bool, logprob_start_len: int,
               top_logprobs_num: int, rid: str | None, stream: bool, return_text_in_logprobs: bool = False,
-              bootstrap: dict[str, Any] | None = None) -> tuple[list[TokenizedGenerateReq], bool]:
+              bootstrap: dict[str, Any] | None = None,
+              image_data: Any = None) -> tuple[list[TokenizedGenerateReq], bool]:
         """Returns the requests and whether the input was a single prompt. Raises ValueError on bad input."""
         _check_flags(return_logprob=return_logprob, stream=stream, return_text_in_logprobs=return_text_in_logprobs)
         if rid is not None and (not isinstance(rid, str) or not rid):
@@ -32,6 +36,7 @@ class RequestBuilder:
         if top_logprobs_num and not return_logprob:
             raise ValueError("top_logprobs_num needs return_logprob=True")
         prompts, single = self._token_lists(prompt, input_ids)
+        prompts, images = self._with_images(prompts, image_data, single)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         _check_logprob_args(logprob_start_len, top_logprobs_num)
         if stream and (len(prompts) != 1 or params_list[0].n != 1):
@@ -55,8 +60,26 @@ class RequestBuilder:
                     one.sampling_seed = params.sampling_seed + sample
                 request_id = base_rid if single and params.n == 1 else f"{base_rid}-{index}-{sample}"
                 reqs.append(TokenizedGenerateReq(request_id, ids, one, return_logprob, logprob_start_len,
-                                                 top_logprobs_num, paired, stream))
+                                                 top_logprobs_num, paired, stream, images[index]))
         return reqs, single and params_list[0].n == 1
+
+    def _with_images(self, prompts: list[list[int]], image_data: Any,
+                     single: bool) -> tuple[list[list[int]], list[list[ImageSpan]]]:
+        """Each prompt with its images' tokens in place of their placeholders, and its images."""
+        if image_data is None:
+            return prompts, [[] for _ in prompts]
+        if self.images is None:
+            raise ValueError("image_data needs a vision-language model; the served model reads text only")
+        per_prompt = per_prompt_images(image_data, len(prompts))
+        expanded, spans = [], []
+        for index, (ids, items) in enumerate(zip(prompts, per_prompt)):
+            try:
+                with_images, images = self.images.expand(ids, items) if items else (ids, [])
+            except ValueError as error:
+                raise ValueError(f"{'' if single else f'prompt {index}: '}{error}") from None
+            expanded.append(with_images)
+            spans.append(images)
+        return expanded, spans
 
     def _bootstrap(self, fields: dict[str, Any] | None, one_request: bool, params: SamplingParams) -> Bootstrap | None:
         """Disaggregated servers need, per request, where its other half pairs up (sglang-router adds it)."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from ..messages import ImagePiece
 
 
 @dataclass
@@ -35,6 +36,10 @@ class ForwardBatch:
     attn_metadata: Any = None
     # Tensor parallel: the request-table entries followers copy, snapshotted beside attn_metadata for the same reason.
     tp_table: torch.Tensor | None = None
+    # Vision-language models: the images this forward's tokens show (their rows' embeddings come from the
+    # encoder), and those embeddings, (rows [R] device, values [R, hidden]), once the model runner computed them.
+    images: list[ImagePiece] = field(default_factory=list)
+    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:

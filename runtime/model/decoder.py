@@ -99,11 +99,22 @@ class DecoderForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         attn.begin_forward(batch)
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.embed(batch)
         cos, sin = self.model.rotary(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """Token embeddings; rows that show an image take the image encoder's (their ids are hash pads past
+        the vocabulary, looked up as token 0 and overwritten)."""
+        if batch.image_embeds is None:
+            return self.model.embed_tokens(batch.input_ids)
+        ids = batch.input_ids.masked_fill(batch.input_ids >= self.config.vocab_size, 0)
+        x = self.model.embed_tokens(ids)
+        rows, values = batch.image_embeds
+        x[rows] = values.to(x.dtype)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

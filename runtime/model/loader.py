@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from ..distributed.parallel_state import SINGLE, TensorParallel
 from .decoder import FAMILIES, DecoderForCausalLM
+from .vision import text_config, text_weight_name, vision_architecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,7 +33,8 @@ def resolve_model_path(model_path: str | None) -> str:
 
 
 def load_config(model_path: str):
-    config = AutoConfig.from_pretrained(model_path)
+    """The decoder's config: the model's, or a vision-language model's text model's (vision.py)."""
+    config = text_config(AutoConfig.from_pretrained(model_path))
     architecture = architecture_of(config)
     if architecture is None:
         raise ValueError(f"unsupported architecture {config.architectures or config.model_type!r}; "
@@ -86,12 +88,16 @@ def load_model(model_path: str, dtype: torch.dtype, device: str = "cpu",
             model = DecoderForCausalLM(config, FAMILIES[architecture], tp)
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(_iter_safetensors(files))
+    multimodal = vision_architecture(AutoConfig.from_pretrained(model_path)) is not None
+    model.load_weights(_iter_safetensors(files, multimodal))
     return model.eval()
 
 
-def _iter_safetensors(files: list[str]):
+def _iter_safetensors(files: list[str], multimodal: bool = False):
+    """HF-named text-model tensors (a vision-language checkpoint's vision tensors are the encoder's)."""
     for file in files:
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                ours = text_weight_name(name, multimodal)
+                if ours is not None:
+                    yield ours, handle.get_tensor(name)

@@ -13,6 +13,7 @@ import torch
 
 from ..attention.base import ForwardBatch
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from ..messages import ImagePiece
 from .future_tokens import placeholder
 from .req import Req
 
@@ -67,10 +68,12 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
     slots = alloc(sum(lengths))
     input_ids: list[int] = []
     logit_ranges: list[range] = []
+    images: list[ImagePiece] = []
     offset = 0
     for piece in slices:
         req = piece.req
         end = piece.start + piece.length
+        images += image_pieces(req, piece.start, end, offset)
         tokens = req.fill_ids[piece.start : end - len(piece.draft)] + piece.draft
         if len(tokens) < piece.length:  # the last token is still being sampled: read it from the token table
             tokens.append(placeholder(req))
@@ -95,8 +98,20 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
         seq_lens=starts + extend_lens,
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
+        images=images,
     )
     return ScheduleBatch(slices, forward, logit_ranges)
+
+
+def image_pieces(req: Req, start: int, end: int, offset: int) -> list[ImagePiece]:
+    """The parts of req's images among its positions [start, end), packed from row `offset` on."""
+    pieces = []
+    for image in req.images:
+        first, last = max(image.offset, start), min(image.end, end)
+        if first < last:
+            pieces.append(ImagePiece(image, range(offset + first - start, offset + last - start),
+                                     range(first - image.offset, last - image.offset)))
+    return pieces
 
 
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:

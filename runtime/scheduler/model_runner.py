@@ -27,6 +27,8 @@ from ..distributed.spawn import Spawned, spawn_followers
 from ..model.layers import attention_shape
 from ..model.loader import load_config, load_model, resolve_dtype
 from ..model.quantized import QuantizedModel
+from ..model.vision import checkpoint_vision_spec, load_vision_encoder
+from ..multimodal.embedder import ImageEmbedder
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
@@ -109,6 +111,7 @@ class ModelRunner:
         )
         self.attn_backend = make_attention_backend(args.attention_backend, args.device,
                                                    model_attention(self.model, self.dtype))
+        self.images = self._image_embedder(model_path, args)
         self.graphs = self._capture_graphs(args)
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
@@ -127,6 +130,14 @@ class ModelRunner:
                                else f"attention backend {type(self.attn_backend).__name__} cannot be captured")
             return None
         return CudaGraphRunner(self.model, self.attn_backend, sizes, self.req_pool, self.kv_pool, args.device)
+
+    def _image_embedder(self, model_path: str, args: EngineArgs) -> ImageEmbedder | None:
+        """A vision-language model's image encoder, on this (the only) rank."""
+        if checkpoint_vision_spec(model_path) is None:
+            return None
+        if self.tp.size > 1:
+            raise ValueError("vision-language models run with tp_size 1 (the image encoder is not split)")
+        return ImageEmbedder(load_vision_encoder(model_path, self.dtype, args.device), self.dtype, args.device)
 
     def recapture_graphs(self) -> None:
         """Capture the decode graphs again: resumed weights and K/V buffers live at new addresses."""
@@ -179,6 +190,8 @@ class ModelRunner:
         forward = batch.forward
         rows = torch.tensor([i for r in batch.logit_ranges for i in r], dtype=torch.long, device=forward.device)
         self.followers.run_step(forward, rows)
+        if forward.images:
+            forward.image_embeds = self.images.embed(forward.images)
         if self.graphs is not None and self.graphs.can_replay(forward):
             logits = self.graphs.replay(forward)[rows]
             self.graph_calls += 1
@@ -223,7 +236,7 @@ class ModelRunner:
         if piece.input_rows:
             prompt_rows = logprobs[: len(piece.input_rows)]
             # Row p predicts prompt token p + 1.
-            targets = torch.tensor(req.input_ids[piece.input_rows.start + 1 : piece.input_rows.stop + 1],
+            targets = torch.tensor(req.prompt_ids[piece.input_rows.start + 1 : piece.input_rows.stop + 1],
                                    device=logprobs.device)
             result.input_logprobs[b] = token_logprobs(prompt_rows, targets)
             if req.top_logprobs_num > 0:

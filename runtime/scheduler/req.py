@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from ..finish_reason import FinishReason
-from ..messages import Bootstrap, ReqOutput, SpecCounts, TokenizedGenerateReq
+from ..messages import Bootstrap, ImageSpan, ReqOutput, SpecCounts, TokenizedGenerateReq
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
 
@@ -47,6 +48,7 @@ class Req:
     # Speculative decoding: the drafter's index over this request's tokens, and its acceptance counts.
     draft_state: Any = None
     spec_counts: SpecCounts | None = None
+    images: list[ImageSpan] = field(default_factory=list)  # in prompt order
 
     @classmethod
     def from_tokenized(cls, req: TokenizedGenerateReq, seed: int, eos_ids: frozenset[int]) -> Req:
@@ -61,11 +63,22 @@ class Req:
             top_logprobs_num=req.top_logprobs_num,
             bootstrap=req.bootstrap,
             stream=req.stream,
+            images=req.images,
         )
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @functools.cached_property
+    def prompt_ids(self) -> list[int]:
+        """The prompt as the model's vocabulary sees it: image positions hold the image placeholder token."""
+        if not self.images:
+            return self.input_ids
+        ids = list(self.input_ids)
+        for image in self.images:
+            ids[image.offset : image.end] = [image.token_id] * image.length
+        return ids
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -110,7 +123,7 @@ class Req:
 
     def sampling_row(self) -> SamplingRow:
         """A snapshot: the sampler may run on another thread while the scheduler appends tokens."""
-        return SamplingRow(self.params, self.input_ids, list(self.output_ids), self.seed, self.stop_token_ids)
+        return SamplingRow(self.params, self.prompt_ids, list(self.output_ids), self.seed, self.stop_token_ids)
 
     def output(self) -> ReqOutput:
         if self.pending is None:

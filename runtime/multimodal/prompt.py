@@ -1,0 +1,72 @@
+"""Engine side of images: a prompt's image placeholders become the image's tokens, and its pixels are processed.
+
+Each placeholder token (LLaVA's `<image>`) stands for one image, in order; it is expanded to the model's tokens
+per image, each holding a pad id past the vocabulary derived from the image's hash (as SGLang pads them): the
+radix cache then shares a prefix that shows the same image and never one that shows another, and the model
+takes those rows' embeddings from the image encoder. A prompt given already expanded (runs of the placeholder,
+one run per image) is taken as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from transformers import AutoImageProcessor
+
+from ..messages import ImageSpan
+from ..model.vision import VisionSpec
+from .images import ImageLimits, LoadedImage, load_images
+
+PAD_RANGE = 2**30  # pad ids are vocab_size + (hash mod this): int64-safe, distinct per image in practice
+
+
+class ImagePrompts:
+    def __init__(self, model_path: str, spec: VisionSpec, vocab_size: int, limits: ImageLimits) -> None:
+        self.spec, self.vocab_size, self.limits = spec, vocab_size, limits
+        self.processor = AutoImageProcessor.from_pretrained(model_path)
+
+    def expand(self, ids: list[int], items: list[Any]) -> tuple[list[int], list[ImageSpan]]:
+        """The prompt with its images' tokens, and the images; ValueError when they do not match."""
+        images = load_images(items, self.limits)
+        places = self.placeholders(ids, len(images))
+        out: list[int] = []
+        spans: list[ImageSpan] = []
+        previous = 0
+        for (start, length), image in zip(places, images):
+            out += ids[previous:start]
+            spans.append(self.span(image, len(out)))
+            out += [spans[-1].pad_id] * spans[-1].length
+            previous = start + length
+        return out + ids[previous:], spans
+
+    def placeholders(self, ids: list[int], count: int) -> list[tuple[int, int]]:
+        """(start, length) of each image's placeholder: one token per image, or a whole run per image."""
+        token, per_image = self.spec.image_token_id, self.spec.tokens_per_image
+        singles = [(i, 1) for i, t in enumerate(ids) if t == token]
+        if len(singles) == count:
+            return singles
+        runs = placeholder_runs(ids, token)
+        if len(runs) == count and all(length == per_image for _, length in runs):
+            return runs
+        raise ValueError(f"the prompt has {len(singles)} image placeholder token(s) for {count} image(s); put "
+                         "one placeholder per image where it belongs")
+
+    def span(self, image: LoadedImage, offset: int) -> ImageSpan:
+        pixels = self.processor(images=[image.image], return_tensors="np")["pixel_values"][0]
+        pad = self.vocab_size + int(image.digest[:16], 16) % PAD_RANGE
+        return ImageSpan(image.digest, offset, self.spec.tokens_per_image, pad, self.spec.image_token_id,
+                         np.ascontiguousarray(pixels, dtype=np.float32))
+
+
+def placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of `token`, in order."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

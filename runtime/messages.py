@@ -49,6 +49,17 @@ class ImagePiece:
     tokens: range
 
 
+def vocabulary_ids(input_ids: list[int], images: list[ImageSpan]) -> list[int]:
+    """The prompt as the model's vocabulary sees it: an image's positions hold its placeholder token (what
+    logprobs report and penalties count there), not the hash pads the radix cache keys on."""
+    if not images:
+        return input_ids
+    ids = list(input_ids)
+    for image in images:
+        ids[image.offset : image.end] = [image.token_id] * image.length
+    return ids
+
+
 @dataclass
 class TokenizedGenerateReq:
     rid: str

@@ -8,7 +8,7 @@ from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, stream_holdback, trim_stop
 from .finish_reason import PEER_FAILURE, FinishReason
-from .messages import PeerServerError, ReqOutput, SpecCounts, TokenizedGenerateReq
+from .messages import PeerServerError, ReqOutput, SpecCounts, TokenizedGenerateReq, vocabulary_ids
 from .schema_check import SchemaChecker, SchemaVerdict
 
 
@@ -146,7 +146,7 @@ class RequestState:
             "output_top_logprobs": [self._triples(top) for top in out.output_top_logprobs],
         }
         if out.input_logprobs is not None:
-            prompt = self.req.input_ids[out.input_logprob_start :]
+            prompt = vocabulary_ids(self.req.input_ids, self.req.images)[out.input_logprob_start :]
             entries["input_token_logprobs"] = self._triples(zip(out.input_logprobs, prompt))
             entries["input_top_logprobs"] = [None if top is None else self._triples(top)
                                              for top in (out.input_top_logprobs or [])]

@@ -6,7 +6,18 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 COMMON = dict(
     vocab_size=49152,
@@ -51,4 +62,27 @@ def build_tiny_model(arch: str, directory: Path, tokenizer_dir: Path, **override
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, directory / name)
+    return directory
+
+
+IMAGE_SIZE, PATCH = 32, 8  # a tiny CLIP tower: 16 patches, so 16 tokens per image
+
+
+def build_tiny_llava(directory: Path, tokenizer_dir: Path) -> Path:
+    """LlavaForConditionalGeneration: the tiny Llama text model, a 2-layer CLIP tower on 32x32 images and its
+    projector, the default model's tokenizer with an `<image>` token, and a CLIP image processor (the PIL one:
+    no torchvision)."""
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)}, tie_word_embeddings=False)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, initializer_range=0.3)
+    config = LlavaConfig(text_config=text, vision_config=vision, projector_hidden_act="gelu",
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                         vision_feature_select_strategy="default", initializer_range=0.3)
+    LlavaForConditionalGeneration(config).eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                          crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(directory)
     return directory

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..finish_reason import FinishReason
-from ..messages import Bootstrap, ImageSpan, ReqOutput, SpecCounts, TokenizedGenerateReq
+from ..messages import Bootstrap, ImageSpan, ReqOutput, SpecCounts, TokenizedGenerateReq, vocabulary_ids
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
 
@@ -72,13 +72,8 @@ class Req:
 
     @functools.cached_property
     def prompt_ids(self) -> list[int]:
-        """The prompt as the model's vocabulary sees it: image positions hold the image placeholder token."""
-        if not self.images:
-            return self.input_ids
-        ids = list(self.input_ids)
-        for image in self.images:
-            ids[image.offset : image.end] = [image.token_id] * image.length
-        return ids
+        """input_ids with image positions as their placeholder token (messages.vocabulary_ids)."""
+        return vocabulary_ids(self.input_ids, self.images)
 
     @property
     def stop_token_ids(self) -> frozenset[int]:

@@ -1,0 +1,142 @@
+"""Vision-language models: LLaVA greedy-equal to HF transformers (float32) with one and two images, images
+between text, a batch of requests showing different images, chunked prefill cutting through an image, radix on
+and off; the radix cache sharing a prefix only with the same image; bad images refused for their request alone."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalGeneration
+
+from conftest import EXACT, assert_pool_free, engines_side_by_side
+from tiny_models import build_tiny_llava
+
+TOKENS_PER_IMAGE = 16
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+PROMPTS = [  # (prompt, number of images)
+    ("Describe <image> in a few words:", 1),
+    ("Compare <image> with <image>. The second one", 2),
+    ("<image> came first, then some text, and then <image> closes it", 2),
+]
+
+
+def picture(seed: int, size: tuple[int, int] = (40, 48)) -> Image.Image:
+    return Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory, default_model_dir):
+    return build_tiny_llava(tmp_path_factory.mktemp("llava") / "llava", default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engines(llava_dir):
+    """Radix cache on; and radix off with prefill in chunks of 16, which cut through images."""
+    with engines_side_by_side(
+            (str(llava_dir), {**EXACT, "max_total_tokens": 4096, "torch_num_threads": 1}),
+            (str(llava_dir), {**EXACT, "max_total_tokens": 4096, "torch_num_threads": 1,
+                              "disable_radix_cache": True, "chunked_prefill_size": 16})) as started:
+        yield started
+        for engine in started:
+            assert_pool_free(engine)
+
+
+class LlavaReference:
+    def __init__(self, model_dir) -> None:
+        self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.image_token = self.model.config.image_token_index
+
+    def expanded(self, prompt: str) -> list[int]:
+        ids = []
+        for token in self.tokenizer.encode(prompt):
+            ids += [token] * (TOKENS_PER_IMAGE if token == self.image_token else 1)
+        return ids
+
+    @torch.inference_mode()
+    def greedy(self, prompt: str, images: list[Image.Image], max_new_tokens: int = 8) -> list[int]:
+        ids = torch.tensor([self.expanded(prompt)])
+        pixels = torch.from_numpy(self.processor(images=images, return_tensors="np")["pixel_values"])
+        out = self.model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=0)
+        return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(llava_dir):
+    return LlavaReference(llava_dir)
+
+
+def test_greedy_equals_hf_for_a_batch_of_prompts_showing_different_images(engines, reference):
+    images = [[picture(10 * i + j) for j in range(count)] for i, (_, count) in enumerate(PROMPTS)]
+    expected = [reference.greedy(prompt, shown) for (prompt, _), shown in zip(PROMPTS, images)]
+    for engine in engines:
+        outputs = engine.generate([p for p, _ in PROMPTS], GREEDY, image_data=images)
+        assert [o["output_ids"] for o in outputs] == expected
+        assert [o["meta_info"]["prompt_tokens"] for o in outputs] == [len(reference.expanded(p)) for p, _ in PROMPTS]
+
+
+def test_chunked_prefill_cuts_through_an_image(engines, reference):
+    prompt = "A long preamble before the image, long enough to end a chunk inside it: <image> so what?"
+    before_image = reference.expanded(prompt).index(reference.image_token)
+    assert before_image % 16 != 0 and before_image + TOKENS_PER_IMAGE > 16 * (before_image // 16 + 1)
+    out = engines[1].generate(prompt, GREEDY, image_data=picture(5))
+    assert out["output_ids"] == reference.greedy(prompt, [picture(5)])
+
+
+def test_the_radix_cache_shares_a_prefix_only_with_the_same_image(engines, reference):
+    engine = engines[0]
+    assert engine.flush_cache()
+    prompt = "Look: <image> and tell me"
+    text_before = reference.expanded(prompt).index(reference.image_token)
+    first = engine.generate(prompt, GREEDY, image_data=picture(1))
+    again = engine.generate(prompt, GREEDY, image_data=picture(1))
+    assert again["output_ids"] == first["output_ids"] == reference.greedy(prompt, [picture(1)])
+    assert again["meta_info"]["cached_tokens"] >= text_before + TOKENS_PER_IMAGE
+    other = engine.generate(prompt, GREEDY, image_data=picture(2))  # the same size, other pixels
+    assert other["meta_info"]["cached_tokens"] == text_before
+    assert other["output_ids"] == reference.greedy(prompt, [picture(2)])
+    encoded = io.BytesIO()
+    picture(1).save(encoded, format="PNG")
+    as_png = engine.generate(prompt, GREEDY, image_data=encoded.getvalue())  # same pixels, other encoding
+    assert as_png["meta_info"]["cached_tokens"] >= text_before + TOKENS_PER_IMAGE
+
+
+def test_input_logprobs_report_the_image_token_at_image_positions(engines, reference):
+    prompt = "Describe <image> now"
+    out = engines[0].generate(prompt, {**GREEDY, "max_new_tokens": 1}, image_data=picture(3),
+                              return_logprob=True, logprob_start_len=0)
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [token for _, token, _ in entries] == reference.expanded(prompt)
+    with torch.inference_mode():
+        ids = torch.tensor([reference.expanded(prompt)])
+        pixels = torch.from_numpy(reference.processor(images=[picture(3)], return_tensors="np")["pixel_values"])
+        logits = reference.model(input_ids=ids, pixel_values=pixels).logits[0]
+    expected = torch.log_softmax(logits.float(), -1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+    got = torch.tensor([lp for lp, _, _ in entries[1:]])
+    assert torch.allclose(got, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad, why", [
+    (b"\x89PNG\r\n\x1a\n not really", "image"),
+    ("not base64 and not a path", "base64"),
+    ({"url": "x"}, "dict"),
+    ([picture(1), picture(2)], "placeholder"),
+    ([picture(1)] * 17, "images"),
+])
+def test_a_bad_image_fails_its_request_alone(engines, bad, why):
+    engine = engines[0]
+    with pytest.raises(ValueError, match=why):
+        engine.generate("One image: <image>.", GREEDY, image_data=bad)
+    assert len(engine.generate("One image: <image>.", GREEDY, image_data=picture(4))["output_ids"]) == 8
+
+
+def test_an_image_on_a_text_only_model_is_refused(engine):
+    with pytest.raises(ValueError, match="vision-language"):
+        engine.generate("Hello <image>", GREEDY, image_data=picture(1))

@@ -242,6 +242,9 @@ class ServerArgs:
     # Prefill/decode disaggregation in one command: dp_size prefill and dp_size decode servers on free loopback
     # ports behind sglang-router in PD mode (K/V moved by disaggregation_transfer_backend).
     pd_disaggregation: bool = False
+    # Image strings that name files on this machine are read (vision-language models); off, a client could have
+    # the server open any path. Data: URLs and base64 are always read; http(s) URLs with allow_remote_images.
+    allow_local_images: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -180,6 +180,17 @@ class Engine(EngineRl):
             raise
         return results[0] if single else list(results)
 
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text of the model's image placeholder (LLaVA's `<image>`); None for a text-only model."""
+        images = self.builder.images
+        return None if images is None else self.tokenizer.convert_ids_to_tokens(images.spec.image_token_id)
+
+    @property
+    def image_tokens(self) -> int:
+        """Prompt tokens one image takes (0 for a text-only model)."""
+        return 0 if self.builder.images is None else self.builder.images.spec.tokens_per_image
+
     def abort(self, rid: str) -> None:
         """Abort request `rid`, and the requests a list or n > 1 call derived from it (`rid-i-j`)."""
         with self._lock:

@@ -4,15 +4,19 @@ and off; the radix cache sharing a prefix only with the same image; bad images r
 
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
+import openai
 import pytest
+import requests
 import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
 from conftest import EXACT, assert_pool_free, engines_side_by_side
+from furcate.runtime.server.server_process import ServerProcess
 from tiny_models import build_tiny_llava
 
 TOKENS_PER_IMAGE = 16
@@ -140,3 +144,60 @@ def test_a_bad_image_fails_its_request_alone(engines, bad, why):
 def test_an_image_on_a_text_only_model_is_refused(engine):
     with pytest.raises(ValueError, match="vision-language"):
         engine.generate("Hello <image>", GREEDY, image_data=picture(1))
+
+
+def data_url(image: Image.Image) -> str:
+    encoded = io.BytesIO()
+    image.save(encoded, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def vision_server(llava_dir):
+    with ServerProcess(str(llava_dir), {**EXACT, "max_total_tokens": 2048, "torch_num_threads": 1}) as server:
+        yield server
+
+
+def test_native_generate_and_openai_chat_take_images(vision_server, reference, tokenizer):
+    url = vision_server.url
+    prompt = "Describe <image> in words:"
+    body = {"text": prompt, "sampling_params": GREEDY, "image_data": data_url(picture(6))}
+    assert requests.post(f"{url}/generate", json=body, timeout=60).json()["output_ids"] == \
+        reference.greedy(prompt, [picture(6)])
+    plain = {**body, "image_data": data_url(picture(6)).split(",", 1)[1]}  # bare base64
+    assert requests.post(f"{url}/generate", json=plain, timeout=60).json()["output_ids"] == \
+        reference.greedy(prompt, [picture(6)])
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    parts = [{"type": "text", "text": "What is in "}, {"type": "image_url", "image_url": {"url": data_url(picture(7))}},
+             {"type": "text", "text": "?"}]
+    reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": parts}],
+                                           extra_body={"ignore_eos": True})
+    rendered = reference.tokenizer.apply_chat_template([{"role": "user", "content": "What is in <image>?"}],
+                                                       tokenize=False, add_generation_prompt=True)
+    expected = reference.greedy(rendered, [picture(7)])
+    assert reply.choices[0].message.content == reference.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("path, body, why", [
+    ("/generate", {"text": "<image>", "image_data": "/etc/hostname"}, "allow-local-images"),
+    ("/generate", {"text": "<image>", "image_data": "data:image/png;base64,%%%"}, "base64"),
+    ("/generate", {"text": "<image>", "image_data": {"a": 1}}, "string"),
+    ("/generate", {"text": "<image>", "image_data": "http://127.0.0.1:9/x.png"}, "allow_remote_images"),
+    ("/v1/completions", {"prompt": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, "prompt"),
+])
+def test_bad_images_over_http_are_400s(vision_server, path, body, why):
+    reply = requests.post(vision_server.url + path, json=body, timeout=60)
+    assert reply.status_code == 400 and why in reply.json()["error"]["message"], reply.text
+    assert requests.get(vision_server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_text_only_server_refuses_image_parts(tiny_server):
+    model = requests.get(tiny_server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(picture(1))}}]}]}
+    reply = requests.post(tiny_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "vision-language" in reply.json()["error"]["message"], reply.text
+    reply = requests.post(tiny_server.url + "/generate", json={"text": "x <image>", "image_data": data_url(picture(1))},
+                          timeout=60)
+    assert reply.status_code == 400 and "vision-language" in reply.json()["error"]["message"], reply.text

@@ -12,6 +12,7 @@ from ...version import __version__
 from ..engine import Engine
 from ..sampling.params import MAX_N
 from .errors import ApiError, check_fields, read_json_object
+from .image_fields import checked_images
 from .keys import ENGINE, METRICS, SETTINGS
 from .router_fields import BOOTSTRAP_FIELDS, strip_router_fields
 from .sse import open_stream, send_done, send_event
@@ -50,8 +51,6 @@ def _engine(request: web.Request) -> Engine:
 async def generate(request: web.Request) -> web.StreamResponse:
     body = strip_router_fields(await read_json_object(request))
     check_fields(body, GENERATE_FIELDS)
-    if body.get("image_data") is not None:
-        raise ApiError(400, "image_data is not supported: the served model has no vision encoder")
     text, input_ids = body.get("text"), body.get("input_ids")
     if text is not None and input_ids is not None:
         raise ApiError(400, "send either text or input_ids, not both")
@@ -60,6 +59,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         "return_logprob": body.get("return_logprob", False), "rid": body.get("rid"),
         "logprob_start_len": body.get("logprob_start_len", -1), "top_logprobs_num": body.get("top_logprobs_num", 0),
         "return_text_in_logprobs": body.get("return_text_in_logprobs", False),
+        "image_data": checked_images(body.get("image_data"), request.app[SETTINGS].allow_local_images),
         **{name: body.get(name) for name in BOOTSTRAP_FIELDS},
     }
     stream = body.get("stream", False)

@@ -13,6 +13,7 @@ from aiohttp import web
 from ..engine import Engine
 from . import openai_format as fmt
 from .errors import ApiError, read_json_object
+from .image_fields import checked_images
 from .keys import ENGINE, SETTINGS
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from .router_fields import BOOTSTRAP_FIELDS, strip_router_fields
@@ -41,6 +42,7 @@ class Job:
     echo_texts: list[str] = field(default_factory=list)  # completions with echo: the prompt text per prompt
     rid: str | None = None
     bootstrap: dict[str, Any] = field(default_factory=dict)  # prefill/decode pairing fields from the router
+    images: list[list[Any]] | None = None  # per prompt, the images its placeholders show (chat image_url parts)
 
     @property
     def n(self) -> int:
@@ -85,13 +87,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.tools:
         raise ApiError(400, "tools are not supported by this server (tool calls are not implemented)")
     engine = request.app[ENGINE]
+    images = [url for m in req.messages for url in fmt.message_images(m.content)]
+    if images and engine.image_placeholder is None:
+        raise ApiError(400, "image_url parts need a vision-language model; the served model reads text only")
     ids = engine.tokenizer.encode(_render_chat(engine, req), add_special_tokens=False)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true")
-    job = Job("chat", checked_model(request, req), [ids], _per_prompt_sampling(engine, req, limit, [ids]), top,
-              rid=req.rid, bootstrap=_bootstrap(req))
+    shown = len(ids) + len(images) * (engine.image_tokens - 1)  # each placeholder becomes the image's tokens
+    job = Job("chat", checked_model(request, req), [ids], _per_prompt_sampling(engine, req, limit, [[0] * shown]),
+              top, rid=req.rid, bootstrap=_bootstrap(req),
+              images=[checked_images(images, request.app[SETTINGS].allow_local_images)] if images else None)
     return await _run(request, job, req)
 
 
@@ -119,8 +126,9 @@ def _encode(engine: Engine, text: str) -> list[int]:
 
 
 def _render_chat(engine: Engine, req: ChatCompletionRequest) -> str:
-    messages = [{"role": m.role, "content": fmt.message_text(m.content), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
+    placeholder = engine.image_placeholder or ""
+    messages = [{"role": m.role, "content": fmt.message_text(m.content, placeholder),
+                 **({"name": m.name} if m.name else {})} for m in req.messages]
     try:
         return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except UnicodeEncodeError as error:
@@ -142,7 +150,7 @@ async def _run(request: web.Request, job: Job, req: SamplingFields) -> web.Strea
         return await _stream(request, job, include_usage)
     engine: Engine = request.app[ENGINE]
     results = await engine.async_generate(input_ids=job.prompt_ids, sampling_params=job.sampling,
-                                          rid=job.rid, **_logprob_args(job), **job.bootstrap)
+                                          rid=job.rid, image_data=job.images, **_logprob_args(job), **job.bootstrap)
     choices = [_choice(job, index, result) for index, result in enumerate(results)]
     prompt_tokens = sum(len(ids) for ids in job.prompt_ids)
     cached = sum(r["meta_info"]["cached_tokens"] for r in results[:: job.n])
@@ -233,8 +241,10 @@ async def _open_streams(engine: Engine, job: Job) -> list[AsyncIterator[dict[str
                     one["sampling_seed"] += sample
                 rid = None if job.rid is None else (job.rid if len(job.prompt_ids) * job.n == 1
                                                     else f"{job.rid}-{p}-{sample}")
+                images = None if job.images is None else job.images[p]
                 streams.append(await engine.async_generate(input_ids=ids, sampling_params=one, stream=True, rid=rid,
-                                                           **_logprob_args(job), **job.bootstrap))
+                                                           image_data=images, **_logprob_args(job),
+                                                           **job.bootstrap))
     except BaseException:
         for chunks in streams:
             await chunks.aclose()

@@ -86,9 +86,15 @@ def envelope(kind: str, rid: str, model: str, **fields: Any) -> dict[str, Any]:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, **fields}
 
 
-def message_text(content: Any) -> str:
+def message_text(content: Any, image_placeholder: str = "") -> str:
+    """A message's text; an image part becomes the model's image placeholder, where it stood."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    return "".join(part.text if part.type == "text" else image_placeholder for part in content)
+
+
+def message_images(content: Any) -> list[str]:
+    """The image URLs of a message's parts, in order."""
+    return [part.image_url.url for part in content if part.type == "image_url"] if isinstance(content, list) else []

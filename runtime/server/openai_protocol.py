@@ -76,9 +76,19 @@ class TextPart(Strict):
     text: str
 
 
+class ImageUrl(Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 

@@ -59,6 +59,7 @@ class Executor:
         self.meta_info: dict[str | None, Any] = {}
         self.output_types: dict[str | None, Any] = {}
         self.messages: list[dict[str, str]] = []
+        self.images: list[Any] = []  # the images self.text shows, in the order of their placeholders
         self.role: str | None = None
         self.role_begin = 0
         self.fork_start = 0
@@ -115,6 +116,7 @@ class Executor:
         child.meta_info = dict(self.meta_info)
         child.output_types = dict(self.output_types)
         child.messages = list(self.messages)
+        child.images = list(self.images)
         child.role, child.role_begin = self.role, self.role_begin
         child.fork_start = len(self.text)
         return child
@@ -191,7 +193,7 @@ class Executor:
         if self.stream and sampling.get("n", 1) == 1:
             await self._gen_streaming(expr, sampling, logprobs)
             return
-        result = await self.backend.generate(self.text, sampling, **logprobs)
+        result = await self.backend.generate(self.text, sampling, images=self.images, **logprobs)
         if isinstance(result, list):  # n > 1: the variable holds every sample; the text continues with the first
             self._append(result[0]["text"], expr.name)
             self._set_var(expr.name, [r["text"] for r in result], [r["meta_info"] for r in result],
@@ -202,7 +204,7 @@ class Executor:
 
     async def _gen_streaming(self, expr: Gen, sampling: dict[str, Any], logprobs: dict[str, Any]) -> None:
         prompt, start, meta_info = self.text, len(self.text), None
-        async for chunk in self.backend.generate_stream(prompt, sampling, **logprobs):
+        async for chunk in self.backend.generate_stream(prompt, sampling, images=list(self.images), **logprobs):
             sent = self.text[start:]
             meta_info = chunk["meta_info"]
             if chunk["text"].startswith(sent):
@@ -214,7 +216,8 @@ class Executor:
     async def _select(self, expr: Select) -> None:
         method = expr.choices_method
         choices = list(expr.choices)
-        scores = await self.backend.score_choices(self.text, choices, method.requires_unconditional)
+        scores = await self.backend.score_choices(self.text, choices, method.requires_unconditional,
+                                                  images=self.images)
         decision: ChoicesDecision = method(choices, scores, expr.temperature)
         self._append(decision.decision, expr.name, decision.meta_info)
         self._set_var(expr.name, decision.decision, decision.meta_info)
@@ -242,8 +245,12 @@ class Executor:
         self.role = None
 
     async def _media(self, expr: Image | Video) -> None:
-        raise ValueError(f"this backend ({type(self.backend).__name__}) serves a text-only model; it takes no "
-                         f"{expr.describe()} input")
+        placeholder = self.backend.image_placeholder if isinstance(expr, Image) else None
+        if placeholder is None:
+            raise ValueError(f"this backend ({type(self.backend).__name__}) serves a text-only model; it takes no "
+                             f"{expr.describe()} input")
+        self._append(placeholder)
+        self.images.append(expr.source)
 
     async def _var_ref(self, expr: VarRef) -> None:
         if expr.name not in self.variables:

@@ -73,10 +73,11 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
     return Select(name, tuple(choices), float(temperature), choices_method)
 
 
-def image(source: str | bytes) -> Expr:
-    """An image (a path, a URL or raw bytes) for a vision model."""
-    if not isinstance(source, (str, bytes)) or not source:
-        raise ValueError("image takes a non-empty path, URL or bytes")
+def image(source: Any) -> Expr:
+    """An image for a vision-language model: a path, a data: or http(s) URL, base64, encoded bytes or a PIL image
+    (checked when it is sent)."""
+    if isinstance(source, (str, bytes)) and not source or source is None:
+        raise ValueError("image takes a non-empty path, URL, base64 string, bytes or a PIL image")
     return Image(source)
 
 

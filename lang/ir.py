@@ -112,7 +112,7 @@ class RoleEnd(Expr):
 
 @dataclass(frozen=True)
 class Image(Expr):
-    source: str | bytes
+    source: Any  # a path, URL, base64 string, encoded bytes or a PIL image
 
     def describe(self) -> str:
         return "image"

@@ -15,7 +15,9 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
+import furcate as sgl
 from conftest import EXACT, assert_pool_free, engines_side_by_side
+from furcate import LocalBackend
 from furcate.runtime.server.server_process import ServerProcess
 from tiny_models import build_tiny_llava
 
@@ -201,3 +203,44 @@ def test_a_text_only_server_refuses_image_parts(tiny_server):
     reply = requests.post(tiny_server.url + "/generate", json={"text": "x <image>", "image_data": data_url(picture(1))},
                           timeout=60)
     assert reply.status_code == 400 and "vision-language" in reply.json()["error"]["message"], reply.text
+
+
+@sgl.function
+def ask_about(s, image, question):
+    s += sgl.user(sgl.image(image) + " " + question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=6, temperature=0, ignore_eos=True))
+    branches = s.fork(2)
+    for branch, follow_up in zip(branches, (" Really?", " Why?")):
+        branch += sgl.user(follow_up)
+        branch += sgl.assistant(sgl.gen("more", max_tokens=4, temperature=0, ignore_eos=True))
+    s["followed"] = [branch["more"] for branch in branches]
+    s += " It looks " + sgl.select("color", ["red", "blue", "green and grey"])
+
+
+def choice_by_hf(reference: LlavaReference, prompt: str, images: list, choices: list[str]) -> str:
+    """token_length_normalized, as select's default, from HF's logprobs."""
+    pixels = torch.from_numpy(reference.processor(images=images, return_tensors="np")["pixel_values"])
+    prompt_ids = reference.expanded(prompt)
+    scores = []
+    for choice in choices:
+        ids = reference.expanded(prompt + choice)
+        start = next(i for i, (a, b) in enumerate(zip(prompt_ids + [-1], ids)) if a != b)
+        with torch.inference_mode():
+            logits = reference.model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+        rows = torch.arange(start - 1, len(ids) - 1)
+        logprobs = torch.log_softmax(logits.float(), -1)[rows, torch.tensor(ids[start:])]
+        scores.append(float(logprobs.mean()))
+    return choices[max(range(len(choices)), key=scores.__getitem__)]
+
+
+def test_a_program_asks_about_an_image_forks_after_it_and_selects(engines, reference, vision_server):
+    image = picture(8)
+    local = ask_about.run(image=image, question="What is it?", backend=LocalBackend(engines[0]))
+    prompt = local.text()[: local.text().index(local["answer"])]
+    expected = reference.tokenizer.decode(reference.greedy(prompt, [image], 6), skip_special_tokens=True)
+    assert local["answer"] == expected
+    before_select = local.text()[: local.text().rindex(local["color"])]
+    assert local["color"] == choice_by_hf(reference, before_select, [image], ["red", "blue", "green and grey"])
+    remote = ask_about.run(image=image, question="What is it?", backend=sgl.RuntimeEndpoint(vision_server.url))
+    assert (remote["answer"], remote["followed"], remote["color"]) == \
+        (local["answer"], local["followed"], local["color"])

@@ -18,27 +18,41 @@ from ..chat_template import ChatTemplate
 class Backend(ABC):
     """What a program runs against. Every method that talks to the model is async."""
 
-    # Optional features a backend serves: "regex", "json_schema", "ebnf", "stop_regex", "logprobs", "images".
+    # Optional features a backend serves: "regex", "json_schema", "ebnf", "stop_regex", "logprobs".
     capabilities: frozenset[str] = frozenset()
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that shows an image in a prompt (a vision-language model's `<image>`); None: no images.
+        The images of a prompt go with it, in the order of their placeholders (`images=`)."""
+        return None
+
+    @property
+    def image_tokens(self) -> int:
+        """Prompt tokens each placeholder becomes."""
+        return 0
 
     @abstractmethod
     def chat_template(self) -> ChatTemplate:
         """The role markers of the model's chat template."""
 
     @abstractmethod
-    async def generate(self, prompt: str, sampling: dict[str, Any], **logprob_args: Any) -> dict | list[dict]:
+    async def generate(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),
+                       **logprob_args: Any) -> dict | list[dict]:
         """One completion of `prompt` (a list of `n` when sampling["n"] > 1)."""
 
     @abstractmethod
-    def generate_stream(self, prompt: str, sampling: dict[str, Any], **logprob_args: Any) -> AsyncIterator[dict]:
+    def generate_stream(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),
+                        **logprob_args: Any) -> AsyncIterator[dict]:
         """Chunks of one completion; `text` is cumulative."""
 
     @abstractmethod
-    async def score_choices(self, prompt: str, choices: list[str], unconditional: bool) -> list[ChoiceScores]:
+    async def score_choices(self, prompt: str, choices: list[str], unconditional: bool,
+                            images: Sequence[Any] = ()) -> list[ChoiceScores]:
         """The logprobs of each choice's tokens after `prompt` (all choices scored in one batched request)."""
 
     @abstractmethod
-    async def cache_prefix(self, prompt: str) -> None:
+    async def cache_prefix(self, prompt: str, images: Sequence[Any] = ()) -> None:
         """Compute `prompt` once so later requests starting with it find it in the prefix cache."""
 
     def flush_cache(self) -> bool:
@@ -57,24 +71,28 @@ class TokenScoringBackend(Backend):
         """`tokenizer.encode(text)` for each text, as the model's tokenizer does it (its special tokens included)."""
 
     @abstractmethod
-    async def prefill_logprobs(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict]:
+    async def prefill_logprobs(self, input_ids: list[list[int]], logprob_start_len: int,
+                               images: Sequence[Any] = ()) -> list[dict]:
         """One request of every row with max_new_tokens 0 and return_logprob: each row's result dict."""
 
     @abstractmethod
     def start_token_id(self) -> int:
         """The context of an unconditional score: the BOS token, or the EOS when the tokenizer has none."""
 
-    async def score_choices(self, prompt: str, choices: list[str], unconditional: bool) -> list[ChoiceScores]:
+    async def score_choices(self, prompt: str, choices: list[str], unconditional: bool,
+                            images: Sequence[Any] = ()) -> list[ChoiceScores]:
         prompt_ids, *ids = await self.encode([prompt] + [prompt + choice for choice in choices])
         starts = choice_starts(prompt_ids, ids)
         first = min(starts)
+        # The prompt's images (all before the choices) each grow from one placeholder to image_tokens tokens.
+        shift = len(images) * (self.image_tokens - 1)
         if len(choices) > 1:
             # Computed once here, the prompt is a cache hit for every choice below; sent with them instead, each
             # choice would compute whatever part of it was not cached yet (the scheduler only holds back
             # requests that share 32 or more uncached tokens).
-            await self.cache_prefix(prompt)
+            await self.cache_prefix(prompt, images)
         # One request of all choices: they batch together over the cached prompt.
-        conditional = await self.prefill_logprobs(ids, first)
+        conditional = await self.prefill_logprobs(ids, first + shift, images)
         scores = [logprob_values(r["meta_info"]["input_token_logprobs"], start - first)
                   for r, start in zip(conditional, starts)]
         if not unconditional:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
 
 from ..chat_template import ChatTemplate
 from .base import TokenScoringBackend, first_special_id, wire_sampling
+from .image_wire import wire_images
 from .jinja_template import JinjaTemplateTokenizer
 from .per_loop import PerLoop
 
@@ -85,12 +86,23 @@ class RuntimeEndpoint(TokenScoringBackend):
     def chat_template(self) -> ChatTemplate:
         return self._template
 
-    async def generate(self, prompt: str, sampling: dict[str, Any], **logprob_args: Any) -> dict | list[dict]:
-        return await self._post("/generate", {"text": prompt, "sampling_params": wire_sampling(sampling),
-                                              **logprob_args})
+    @property
+    def image_placeholder(self) -> str | None:
+        return self.model_info.get("image_placeholder")
 
-    async def generate_stream(self, prompt: str, sampling: dict[str, Any], **logprob_args: Any) -> AsyncIterator[dict]:
-        body = {"text": prompt, "sampling_params": wire_sampling(sampling), **logprob_args, "stream": True}
+    @property
+    def image_tokens(self) -> int:
+        return int(self.model_info.get("tokens_per_image") or 0)
+
+    async def generate(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),
+                       **logprob_args: Any) -> dict | list[dict]:
+        return await self._post("/generate", {"text": prompt, "sampling_params": wire_sampling(sampling),
+                                              **_images_field(images), **logprob_args})
+
+    async def generate_stream(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),
+                              **logprob_args: Any) -> AsyncIterator[dict]:
+        body = {"text": prompt, "sampling_params": wire_sampling(sampling), **_images_field(images),
+                **logprob_args, "stream": True}
         async with self._session().post(self.base_url + "/generate", json=body) as response:
             await self._check(response, "/generate")
             async for chunk in sse_chunks(response):
@@ -100,15 +112,19 @@ class RuntimeEndpoint(TokenScoringBackend):
         # The server adds special tokens as tokenizer.encode does by default, as the runtime does for a prompt.
         return (await self._post("/tokenize", {"prompt": texts}))["tokens"]
 
-    async def prefill_logprobs(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict]:
+    async def prefill_logprobs(self, input_ids: list[list[int]], logprob_start_len: int,
+                               images: Sequence[Any] = ()) -> list[dict]:
+        field = {"image_data": [wire_images(images)] * len(input_ids)} if images else {}
         return await self._post("/generate", {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},
-                                              "return_logprob": True, "logprob_start_len": logprob_start_len})
+                                              "return_logprob": True, "logprob_start_len": logprob_start_len,
+                                              **field})
 
     def start_token_id(self) -> int:
         return first_special_id(self.model_info.get("bos_token_id"), self.model_info.get("eos_token_id"))
 
-    async def cache_prefix(self, prompt: str) -> None:
-        await self._post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+    async def cache_prefix(self, prompt: str, images: Sequence[Any] = ()) -> None:
+        await self._post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 0},
+                                       **_images_field(images)})
 
     def flush_cache(self) -> bool:
         """True when the server dropped its prefix cache (it refuses while requests are in flight)."""
@@ -186,3 +202,7 @@ async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
                              "/generate stream")
         yield chunk
     raise RuntimeError("the server closed the /generate stream before [DONE]")
+
+
+def _images_field(images: Sequence[Any]) -> dict[str, Any]:
+    return {"image_data": wire_images(images)} if images else {}

@@ -25,7 +25,7 @@ import json
 import math
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ...grammars.spec import ANY_JSON
@@ -92,7 +92,8 @@ class OpenAI(Backend):
 
     # -- gen --------------------------------------------------------------------------------------------------
 
-    async def generate(self, prompt: str, sampling: dict[str, Any], **logprob_args: Any) -> dict | list[dict]:
+    async def generate(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),
+                       **logprob_args: Any) -> dict | list[dict]:
         chat, kwargs = self._request(prompt, sampling, logprob_args)
         client = self._clients.get()
         if chat:
@@ -102,7 +103,8 @@ class OpenAI(Backend):
         results = [result(choice, response, chat) for choice in sorted(response.choices, key=lambda c: c.index)]
         return results if sampling.get("n", 1) > 1 else results[0]
 
-    async def generate_stream(self, prompt: str, sampling: dict[str, Any], **logprob_args: Any) -> AsyncIterator[dict]:
+    async def generate_stream(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),
+                              **logprob_args: Any) -> AsyncIterator[dict]:
         chat, kwargs = self._request(prompt, sampling, logprob_args)
         client = self._clients.get()
         create = client.chat.completions.create if chat else client.completions.create
@@ -163,7 +165,8 @@ class OpenAI(Backend):
 
     # -- select -----------------------------------------------------------------------------------------------
 
-    async def score_choices(self, prompt: str, choices: list[str], unconditional: bool) -> list[ChoiceScores]:
+    async def score_choices(self, prompt: str, choices: list[str], unconditional: bool,
+                            images: Sequence[Any] = ()) -> list[ChoiceScores]:
         if ROLE_START in prompt:
             return await self._constrained_choice(prompt, choices, unconditional)
         if unconditional:
@@ -209,7 +212,7 @@ class OpenAI(Backend):
 
     # -- the rest of the protocol -----------------------------------------------------------------------------
 
-    async def cache_prefix(self, prompt: str) -> None:
+    async def cache_prefix(self, prompt: str, images: Sequence[Any] = ()) -> None:
         """Nothing to do: an OpenAI-compatible server caches prompt prefixes by itself, if it does at all."""
 
     def get_server_info(self) -> dict[str, Any]:

@@ -124,6 +124,8 @@ async def get_model_info(request: web.Request) -> web.Response:
         "vocab_size": engine.info.vocab_size,
         "context_length": engine.info.context_length,
         "max_req_len": engine.info.max_req_len,
+        # A vision-language model's image placeholder text and the tokens each becomes (RuntimeEndpoint reads them).
+        "image_placeholder": engine.image_placeholder, "tokens_per_image": engine.image_tokens,
     })
 
 

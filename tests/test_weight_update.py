@@ -31,11 +31,12 @@ BIG_POOL = 65536  # 33 MB of float32 K/V on the tiny llama: a drop in resident m
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs):
-    """One tiny llama engine to update, and one with tp_size 2 (started side by side)."""
+    """One tiny llama engine to update, one with tp_size 2, one on the overlap loop (started side by side)."""
     path = str(tiny_model_dirs["llama"])
     with engines_side_by_side((path, {**EXACT, "max_total_tokens": BIG_POOL, "torch_num_threads": 1}),
-                              (path, {**EXACT, "max_total_tokens": 2048, "tp_size": 2, "torch_num_threads": 1})
-                              ) as started:
+                              (path, {**EXACT, "max_total_tokens": 2048, "tp_size": 2, "torch_num_threads": 1}),
+                              (path, {**EXACT, "max_total_tokens": 2048, "torch_num_threads": 1,
+                                      "disable_overlap_schedule": False})) as started:
         yield started
 
 
@@ -305,6 +306,23 @@ def test_trainer_process_over_http_three_rounds_then_dies_mid_broadcast(server, 
             thread.join(timeout=60)
     assert outcomes and all(status == 200 for status, _ in outcomes), outcomes[:5]
     assert {kind for _, kind in outcomes} <= {"abort", "length"}
+
+
+def test_the_overlap_loop_pauses_and_updates_between_batches(engines, tiny_model_dirs):
+    """The overlap loop has a batch in flight while the scheduler reads messages: pause and update wait for it."""
+    overlap, model_dir = engines[2], tiny_model_dirs["llama"]
+    long = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(overlap.generate, input_ids=PROMPT, sampling_params=long)
+        while overlap.get_stats()["running"] == 0:
+            time.sleep(0.005)
+        assert overlap.pause_generation("abort")[0]
+        assert running.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
+    new = round_weights(model_dir, 9)
+    assert overlap.update_weights_from_tensor(list(new.items()))[0]
+    assert overlap.continue_generation()[0]
+    assert greedy(overlap)["output_ids"] == model_with(model_dir, new).greedy(PROMPT, 8)
+    assert_pool_free(overlap)
 
 
 def test_a_trainer_that_never_joins_fails_the_call_in_time(engine):

@@ -26,8 +26,10 @@ logger = logging.getLogger("furcate.cuda_graph")
 
 
 def one_token_each(forward: ForwardBatch) -> bool:
-    """A decode-shaped batch: one new token per request (a one-token prompt is one too, with no prefix)."""
-    return int(forward.extend_lens.max()) == 1
+    """A decode-shaped batch: one new token per request (a one-token prompt is one too, with no prefix). Not one
+    whose token shows an image (a prompt's last token, say): its row takes the encoder's embedding, and an M-RoPE
+    model its three-axis position, neither of which a captured graph reads."""
+    return int(forward.extend_lens.max()) == 1 and not forward.images
 
 
 def supports_cuda_graphs(backend) -> bool:

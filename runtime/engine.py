@@ -187,8 +187,8 @@ class Engine(EngineRl):
         return None if images is None else self.tokenizer.convert_ids_to_tokens(images.spec.image_token_id)
 
     @property
-    def image_tokens(self) -> int:
-        """Prompt tokens one image takes (0 for a text-only model)."""
+    def image_tokens(self) -> int | None:
+        """Prompt tokens one image takes (0 for a text-only model); None: each image its own (Qwen2-VL)."""
         return 0 if self.builder.images is None else self.builder.images.spec.tokens_per_image
 
     def abort(self, rid: str) -> None:

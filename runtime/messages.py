@@ -25,14 +25,17 @@ class Bootstrap:
 class ImageSpan:
     """One image of a prompt: its tokens are input_ids[offset : offset + length], each holding `pad_id`, a value
     past the vocabulary derived from the image's hash (so the radix cache shares a prefix only with the same
-    image), whose embeddings come from encoding `pixel_values` (the model's image processor's output)."""
+    image), whose embeddings come from encoding `pixel_values` (the model's image processor's output). Qwen2-VL's
+    pixel values are the image's flattened patches, laid out on `grid_thw`, which also gives its M-RoPE positions."""
 
     digest: str
     offset: int
     length: int
     pad_id: int
     token_id: int  # the model's image placeholder id: what logprobs and penalties see at those positions
-    pixel_values: Any  # numpy float32 [3, H, W]
+    pixel_values: Any  # numpy float32: LLaVA [3, H, W]; Qwen2-VL [patches, 3 * temporal * patch^2]
+    grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: the patch grid (temporal, height, width)
+    merge_size: int = 1  # Qwen2-VL: patches merged into one token along height and width
 
     @property
     def end(self) -> int:

@@ -15,7 +15,12 @@ from transformers import (
     LlavaConfig,
     LlavaForConditionalGeneration,
     MistralConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2Config,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
     Qwen3Config,
 )
 
@@ -85,4 +90,40 @@ def build_tiny_llava(directory: Path, tokenizer_dir: Path) -> Path:
     tokenizer.save_pretrained(directory)
     CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
                           crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(directory)
+    return directory
+
+
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_PATCH, QWEN_MERGE = 8, 2  # an image of H x W pixels (rounded to 16s) takes (H / 16) * (W / 16) tokens
+QWEN_VISION = {
+    # Qwen2-VL: embed_dim wide blocks, merged to the text model's width.
+    "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+    # Qwen2.5-VL: windows of 2 x 2 merged tokens (32 pixels) in block 0, full attention in block 1.
+    "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                       window_size=32, fullatt_block_indexes=[1]),
+}
+
+
+def build_tiny_qwen_vl(kind: str, directory: Path, tokenizer_dir: Path) -> Path:
+    """Qwen2VLForConditionalGeneration (kind "qwen2_vl") or Qwen2_5_VLForConditionalGeneration ("qwen2_5_vl"): a
+    tiny Qwen2 text model with M-RoPE, a 2-block vision transformer on 8-pixel patches merged 2 x 2, the default
+    model's tokenizer with Qwen2-VL's vision tokens, and the image processor (the PIL one: no torchvision) sizing
+    images to 32x32 .. 64x64 pixels, so an image takes 4 to 16 tokens."""
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids(QWEN_VL_TOKENS)))
+    # head_dim 16: 8 rotary frequencies, 2 temporal, 3 height, 3 width.
+    text = {**COMMON, "vocab_size": len(tokenizer),
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    vision = {**QWEN_VISION[kind], "patch_size": QWEN_PATCH, "spatial_merge_size": QWEN_MERGE,
+              "temporal_patch_size": 2, "initializer_range": 0.3}
+    config_class, model_class = {"qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
+                                 "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)}[kind]
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    model_class(config).eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    Qwen2VLImageProcessorPil(patch_size=QWEN_PATCH, merge_size=QWEN_MERGE, temporal_patch_size=2,
+                             min_pixels=32 * 32, max_pixels=64 * 64).save_pretrained(directory)
     return directory

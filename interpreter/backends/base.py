@@ -28,8 +28,8 @@ class Backend(ABC):
         return None
 
     @property
-    def image_tokens(self) -> int:
-        """Prompt tokens each placeholder becomes."""
+    def image_tokens(self) -> int | None:
+        """Prompt tokens each placeholder becomes; None: each image its own (Qwen2-VL)."""
         return 0
 
     @abstractmethod
@@ -85,7 +85,9 @@ class TokenScoringBackend(Backend):
         starts = choice_starts(prompt_ids, ids)
         first = min(starts)
         # The prompt's images (all before the choices) each grow from one placeholder to image_tokens tokens.
-        shift = len(images) * (self.image_tokens - 1)
+        if images and self.image_tokens is None:
+            raise ValueError("select after an image needs a model whose images all take the same number of tokens")
+        shift = len(images) * (self.image_tokens - 1) if images else 0
         if len(choices) > 1:
             # Computed once here, the prompt is a cache hit for every choice below; sent with them instead, each
             # choice would compute whatever part of it was not cached yet (the scheduler only holds back

@@ -91,7 +91,9 @@ class RuntimeEndpoint(TokenScoringBackend):
         return self.model_info.get("image_placeholder")
 
     @property
-    def image_tokens(self) -> int:
+    def image_tokens(self) -> int | None:
+        if self.model_info.get("image_placeholder") and self.model_info.get("tokens_per_image") is None:
+            return None  # each image its own (Qwen2-VL)
         return int(self.model_info.get("tokens_per_image") or 0)
 
     async def generate(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),

@@ -33,7 +33,7 @@ class LocalBackend(TokenScoringBackend):
         return self.engine.image_placeholder
 
     @property
-    def image_tokens(self) -> int:
+    def image_tokens(self) -> int | None:
         return self.engine.image_tokens
 
     async def generate(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),

@@ -15,7 +15,7 @@ from torch import nn
 from ..attention.base import AttentionBackend, ForwardBatch
 from ..distributed.parallel_state import SINGLE, TensorParallel
 from ..distributed.tp_layers import embedding, lm_head, shard_tensor
-from .layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import Attention, GatedMLP, RMSNorm, rotary_embedding
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, family, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = RotaryEmbedding(config, head_dim)
+        self.rotary = rotary_embedding(config, head_dim)
 
 
 class DecoderForCausalLM(nn.Module):

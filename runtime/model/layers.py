@@ -1,4 +1,4 @@
-"""Layers shared by the decoder families: RMSNorm, rotary embedding, gated MLP, attention block."""
+"""Layers shared by the decoder families: RMSNorm, rotary embedding (and M-RoPE), gated MLP, attention block."""
 
 from __future__ import annotations
 
@@ -45,6 +45,33 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's M-RoPE: the frequencies split in `mrope_section` parts that rotate by the temporal, height and
+    width position in turn. Positions [3, T] (a prefill showing an image) or [T] (the same on all three axes:
+    plain rotary, what decode and text-only batches pass)."""
+
+    def __init__(self, config, head_dim: int, sections: list[int]) -> None:
+        super().__init__(config, head_dim)
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {sections} does not split the {head_dim // 2} rotary frequencies")
+        self.sections = list(sections)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, dtype)
+        freqs = positions[..., None].float() * self.inv_freq  # [3, T, head_dim / 2]
+        freqs = torch.cat([part[i % 3] for i, part in enumerate(freqs.split(self.sections, dim=-1))], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def rotary_embedding(config, head_dim: int) -> RotaryEmbedding:
+    """M-RoPE for a config with an `mrope_section` (Qwen2-VL's text model), plain rotary otherwise."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    sections = rope.get("mrope_section")
+    return MRotaryEmbedding(config, head_dim, sections) if sections else RotaryEmbedding(config, head_dim)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

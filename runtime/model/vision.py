@@ -6,6 +6,12 @@ projector. The text model runs on furcate's decoder like any Llama (its weights 
 (hidden states of `vision_feature_layer`, the CLS token dropped under the "default" strategy), so an image's
 embeddings are HF's to the bit. The layouts transformers has saved are all read (`model.vision_tower.*`,
 `vision_tower.*`, 4.x's `vision_tower.vision_model.*`; `language_model.model.*` or `model.language_model.*`).
+
+Qwen2-VL and Qwen2.5-VL are a Qwen2 text model with three-section rotary positions (M-RoPE, layers.py) and
+transformers' own vision transformer (2-D rotary; 2.5 adds window attention), which takes an image as its
+flattened patches and their grid and merges spatial_merge_size^2 patches into each token, so an image's token
+count is its own. Their checkpoints are saved as `model.*` + `visual.*` or `model.language_model.*` +
+`model.visual.*`.
 """
 
 from __future__ import annotations
@@ -15,20 +21,33 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
-# (checkpoint prefix, our prefix) for the text model's tensors, newest layout first.
-TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                 ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+from ..messages import ImageSpan
+
+QWEN_TOWERS = {
+    "Qwen2VLForConditionalGeneration": Qwen2VisionTransformerPretrainedModel,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VisionTransformerPretrainedModel,
+}
+# The text model's architecture; None: found by its config's model_type (LLaVA's may be any Llama-like model).
+VISION_ARCHITECTURES: dict[str, str | None] = {"LlavaForConditionalGeneration": None,
+                                               **dict.fromkeys(QWEN_TOWERS, "Qwen2ForCausalLM")}
+# (checkpoint prefix, our prefix) of the vision tensors, newest layout first; every other tensor is the text
+# model's, so these are tried first (`model.visual.*` would pass for a text tensor below).
 VISION_PREFIXES = (("model.vision_tower.", "vision_tower."), ("vision_tower.vision_model.", "vision_tower."),
                    ("vision_tower.", "vision_tower."),
                    ("model.multi_modal_projector.", "multi_modal_projector."),
-                   ("multi_modal_projector.", "multi_modal_projector."))
+                   ("multi_modal_projector.", "multi_modal_projector."),
+                   ("model.visual.", "visual."), ("visual.", "visual."))
+TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."), ("model.", "model."))
 
 
 @dataclass(frozen=True)
@@ -37,7 +56,10 @@ class VisionSpec:
 
     architecture: str
     image_token_id: int  # the placeholder token of one image position in the prompt
-    tokens_per_image: int  # LLaVA: fixed, (image_size / patch_size)^2 (+1 with the CLS token kept)
+    # LLaVA: fixed, (image_size / patch_size)^2 (+1 with the CLS token kept); None: each image's own (Qwen2-VL:
+    # its patch grid over merge_size^2).
+    tokens_per_image: int | None
+    merge_size: int = 1  # Qwen2-VL: patches merged into one token along each side (spatial_merge_size)
 
 
 def vision_architecture(config) -> str | None:
@@ -50,6 +72,8 @@ def vision_spec(config) -> VisionSpec | None:
     if architecture is None:
         return None
     vision = config.vision_config
+    if architecture in QWEN_TOWERS:
+        return VisionSpec(architecture, int(config.image_token_id), None, int(vision.spatial_merge_size))
     patches = (vision.image_size // vision.patch_size) ** 2
     full = config.vision_feature_select_strategy == "full"
     return VisionSpec(architecture, int(config.image_token_index), patches + int(full))
@@ -61,10 +85,14 @@ def checkpoint_vision_spec(model_path: str) -> VisionSpec | None:
 
 def text_config(config):
     """The config the decoder is built from: a vision-language checkpoint's text model, or the config itself."""
-    if vision_architecture(config) is None:
+    architecture = vision_architecture(config)
+    if architecture is None:
         return config
     text = config.text_config
-    text.architectures = None  # found by model_type ("llama")
+    text_architecture = VISION_ARCHITECTURES[architecture]
+    text.architectures = None if text_architecture is None else [text_architecture]
+    if not hasattr(text, "tie_word_embeddings"):  # Qwen2-VL keeps it on the full config only
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     return text
 
 
@@ -72,17 +100,13 @@ def text_weight_name(name: str, multimodal: bool) -> str | None:
     """A checkpoint tensor's name for the decoder; None: not the text model's."""
     if not multimodal:
         return name
-    for prefix, ours in TEXT_PREFIXES:
-        if name.startswith(prefix):
-            return ours + name[len(prefix):]
-    return None
+    if vision_weight_name(name) is not None:
+        return None
+    return next((ours + name[len(prefix):] for prefix, ours in TEXT_PREFIXES if name.startswith(prefix)), None)
 
 
 def vision_weight_name(name: str) -> str | None:
-    for prefix, ours in VISION_PREFIXES:
-        if name.startswith(prefix):
-            return ours + name[len(prefix):]
-    return None
+    return next((ours + name[len(prefix):] for prefix, ours in VISION_PREFIXES if name.startswith(prefix)), None)
 
 
 class LlavaEncoder(nn.Module):
@@ -105,14 +129,45 @@ class LlavaEncoder(nn.Module):
             selected = selected[:, 1:]
         return self.multi_modal_projector(selected)
 
+    def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
+        """Each image's embeddings [tokens, hidden]; images of one size are encoded in one batch."""
+        weight = next(self.parameters())
+        by_shape: dict[tuple, list[int]] = {}
+        for i, image in enumerate(images):
+            by_shape.setdefault(np.shape(image.pixel_values), []).append(i)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(images)
+        for indices in by_shape.values():
+            pixels = torch.from_numpy(np.stack([images[i].pixel_values for i in indices]))
+            for i, embeds in zip(indices, self(pixels.to(weight.device, weight.dtype))):
+                out[i] = embeds
+        return out
 
-def load_vision_encoder(model_path: str, dtype: torch.dtype, device: str) -> LlavaEncoder:
+
+class QwenVisionEncoder(nn.Module):
+    """Qwen2-VL's (or 2.5's) vision transformer, run as HF's get_image_features runs it: the images' patches
+    [sum of patches, C * temporal * patch^2] and grids [N, 3] -> the merged tokens, split per image."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.visual = QWEN_TOWERS[vision_architecture(config)]._from_config(config.vision_config)
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
+        weight = next(self.parameters())
+        pixels = torch.from_numpy(np.concatenate([image.pixel_values for image in images]))
+        grids = torch.tensor([image.grid_thw for image in images], dtype=torch.long, device=weight.device)
+        merged = self.visual(pixels.to(weight.device, weight.dtype), grid_thw=grids).pooler_output
+        return list(merged.split([image.length for image in images]))
+
+
+def load_vision_encoder(model_path: str, dtype: torch.dtype, device: str) -> LlavaEncoder | QwenVisionEncoder:
     config = AutoConfig.from_pretrained(model_path)
+    encoder_class = QwenVisionEncoder if vision_architecture(config) in QWEN_TOWERS else LlavaEncoder
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            encoder = LlavaEncoder(config)
+            encoder = encoder_class(config)
     finally:
         torch.set_default_dtype(previous)
     missing, unexpected = encoder.load_state_dict(dict(_vision_tensors(model_path)), strict=False)

@@ -2,14 +2,14 @@
 
 An image is encoded only when a forward computes some of its tokens (a prefix the radix cache already holds
 needs no encoding), and its embeddings are kept by hash, so the same image in several requests of a batch, or
-in the next chunk of a long prompt, is encoded once.
+in the next chunk of a long prompt, is encoded once. The images a forward misses are encoded in one call
+(the encoder batches them as its model allows: LLaVA by size, Qwen2-VL all together, as HF encodes a prompt's).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -19,8 +19,8 @@ CACHED_IMAGES = 64
 
 
 class ImageEmbedder:
-    def __init__(self, encoder: nn.Module, dtype: torch.dtype, device: str) -> None:
-        self.encoder, self.dtype, self.device = encoder, dtype, torch.device(device)
+    def __init__(self, encoder: nn.Module, device: str) -> None:
+        self.encoder, self.device = encoder, torch.device(device)
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # digest -> [tokens, hidden], least recent first
         self.encoded_images = 0
 
@@ -32,18 +32,14 @@ class ImageEmbedder:
         return rows, values
 
     def _encode_missing(self, pieces: list[ImagePiece]) -> None:
-        missing = {p.image.digest: p.image for p in pieces if p.image.digest not in self.cache}
-        by_shape: dict[tuple, list] = {}
-        for image in missing.values():  # images of one size are encoded in one batch
-            by_shape.setdefault(np.shape(image.pixel_values), []).append(image)
-        for images in by_shape.values():
-            pixels = torch.from_numpy(np.stack([i.pixel_values for i in images])).to(self.device, self.dtype)
-            for image, embeds in zip(images, self.encoder(pixels)):
+        missing = list({p.image.digest: p.image for p in pieces if p.image.digest not in self.cache}.values())
+        if missing:
+            for image, embeds in zip(missing, self.encoder.encode(missing)):
                 if embeds.shape[0] != image.length:
                     raise ValueError(f"the encoder made {embeds.shape[0]} embeddings for an image of "
                                      f"{image.length} tokens")
                 self.cache[image.digest] = embeds
-            self.encoded_images += len(images)
+            self.encoded_images += len(missing)
         for piece in pieces:
             self.cache.move_to_end(piece.image.digest)
         while len(self.cache) > max(CACHED_IMAGES, len({p.image.digest for p in pieces})):

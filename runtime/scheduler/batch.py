@@ -90,7 +90,7 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
     device = kv_pool.device
     forward = ForwardBatch(
         input_ids=to_device(torch.tensor(input_ids, **host), device),
-        positions=to_device(torch.cat([torch.arange(s.start, s.start + s.length, **host) for s in slices]), device),
+        positions=to_device(batch_positions(slices), device),
         out_cache_loc=to_device(slots, device),
         req_pool_indices=torch.tensor([s.req.req_pool_idx for s in slices], **host),
         prefix_lens=starts,
@@ -101,6 +101,15 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
         images=images,
     )
     return ScheduleBatch(slices, forward, logit_ranges)
+
+
+def batch_positions(slices: list[ReqSlice]) -> torch.Tensor:
+    """Every slice's rotary positions: [T], or [3, T] when some slice shows an image to an M-RoPE model (then the
+    one-axis positions of the others are the same on all three)."""
+    parts = [s.req.positions(s.start, s.length) for s in slices]
+    if all(part.dim() == 1 for part in parts):
+        return torch.cat(parts)
+    return torch.cat([part.expand(3, -1) for part in parts], dim=1)
 
 
 def image_pieces(req: Req, start: int, end: int, offset: int) -> list[ImagePiece]:

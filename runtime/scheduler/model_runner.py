@@ -137,7 +137,7 @@ class ModelRunner:
             return None
         if self.tp.size > 1:
             raise ValueError("vision-language models run with tp_size 1 (the image encoder is not split)")
-        return ImageEmbedder(load_vision_encoder(model_path, self.dtype, args.device), self.dtype, args.device)
+        return ImageEmbedder(load_vision_encoder(model_path, self.dtype, args.device), args.device)
 
     def recapture_graphs(self) -> None:
         """Capture the decode graphs again: resumed weights and K/V buffers live at new addresses."""

@@ -12,6 +12,7 @@ import torch
 
 from ..finish_reason import FinishReason
 from ..messages import Bootstrap, ImageSpan, ReqOutput, SpecCounts, TokenizedGenerateReq, vocabulary_ids
+from ..multimodal.mrope import MRopePositions, prompt_positions
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
 
@@ -74,6 +75,19 @@ class Req:
     def prompt_ids(self) -> list[int]:
         """input_ids with image positions as their placeholder token (messages.vocabulary_ids)."""
         return vocabulary_ids(self.input_ids, self.images)
+
+    @functools.cached_property
+    def mrope(self) -> MRopePositions | None:
+        """Qwen2-VL's M-RoPE positions of this request; None: plain positions (no image of it has a grid)."""
+        if not any(image.grid_thw for image in self.images):
+            return None
+        return prompt_positions(len(self.input_ids), self.images)
+
+    def positions(self, start: int, length: int) -> torch.Tensor:
+        """Rotary positions of fill_ids[start : start + length]: [length], or [3, length] where M-RoPE needs it."""
+        if self.mrope is None:
+            return torch.arange(start, start + length, device="cpu")
+        return self.mrope.of(start, length)
 
     @property
     def stop_token_ids(self) -> frozenset[int]:

@@ -95,7 +95,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true")
-    shown = len(ids) + len(images) * (engine.image_tokens - 1)  # each placeholder becomes the image's tokens
+    # Each placeholder becomes the image's tokens; at least itself where each image's count is its own (Qwen2-VL).
+    shown = len(ids) + len(images) * ((engine.image_tokens or 1) - 1)
     job = Job("chat", checked_model(request, req), [ids], _per_prompt_sampling(engine, req, limit, [[0] * shown]),
               top, rid=req.rid, bootstrap=_bootstrap(req),
               images=[checked_images(images, request.app[SETTINGS].allow_local_images)] if images else None)

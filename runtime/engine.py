@@ -182,9 +182,15 @@ class Engine(EngineRl):
 
     @property
     def image_placeholder(self) -> str | None:
-        """The text of the model's image placeholder (LLaVA's `<image>`); None for a text-only model."""
+        """The text that shows one image in a prompt (LLaVA's `<image>`, Qwen2-VL's
+        `<|vision_start|><|image_pad|><|vision_end|>`); None for a text-only model."""
         images = self.builder.images
-        return None if images is None else self.tokenizer.convert_ids_to_tokens(images.spec.image_token_id)
+        if images is None:
+            return None
+        spec = images.spec
+        start, end = spec.wrap_token_ids or (None, None)
+        ids = [spec.image_token_id] if start is None else [start, spec.image_token_id, end]
+        return "".join(self.tokenizer.convert_ids_to_tokens(ids))
 
     @property
     def image_tokens(self) -> int | None:

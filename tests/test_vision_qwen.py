@@ -11,7 +11,9 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
+import furcate as sgl
 from conftest import EXACT, assert_pool_free, engines_side_by_side
+from furcate import LocalBackend
 from furcate.runtime.messages import ImageSpan
 from furcate.runtime.multimodal.mrope import prompt_positions
 from tiny_models import QWEN_MERGE, build_tiny_qwen_vl
@@ -149,3 +151,18 @@ def test_retracted_requests_recompute_at_their_positions(engines, reference):
 def test_a_text_only_prompt_runs_at_plain_positions(engines, reference):
     prompt = "No image here, only words about"
     assert engines[0].generate(prompt, GREEDY)["output_ids"] == reference.greedy(prompt, [])
+
+
+@sgl.function
+def describe(s, image):
+    s += sgl.user(sgl.image(image) + " What is it?")
+    s += sgl.assistant(sgl.gen("answer", max_tokens=6, temperature=0, ignore_eos=True))
+
+
+def test_a_program_wraps_the_image_in_vision_tokens(engines, reference):
+    image = picture(3, SIZES[1])
+    state = describe.run(image=image, backend=LocalBackend(engines[0]))
+    assert IMAGE in state.text()
+    prompt = state.text()[: state.text().index(state["answer"])]
+    expected = reference.tokenizer.decode(reference.greedy(prompt, [image], 6), skip_special_tokens=True)
+    assert state["answer"] == expected

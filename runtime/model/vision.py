@@ -60,6 +60,8 @@ class VisionSpec:
     # its patch grid over merge_size^2).
     tokens_per_image: int | None
     merge_size: int = 1  # Qwen2-VL: patches merged into one token along each side (spatial_merge_size)
+    # Tokens a prompt puts around the placeholder (Qwen2-VL's <|vision_start|> and <|vision_end|>), or none.
+    wrap_token_ids: tuple[int, int] | None = None
 
 
 def vision_architecture(config) -> str | None:
@@ -73,7 +75,8 @@ def vision_spec(config) -> VisionSpec | None:
         return None
     vision = config.vision_config
     if architecture in QWEN_TOWERS:
-        return VisionSpec(architecture, int(config.image_token_id), None, int(vision.spatial_merge_size))
+        wrap = (int(config.vision_start_token_id), int(config.vision_end_token_id))
+        return VisionSpec(architecture, int(config.image_token_id), None, int(vision.spatial_merge_size), wrap)
     patches = (vision.image_size // vision.patch_size) ** 2
     full = config.vision_feature_select_strategy == "full"
     return VisionSpec(architecture, int(config.image_token_index), patches + int(full))

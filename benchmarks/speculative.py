@@ -20,6 +20,8 @@ import datetime
 import json
 import os
 import pathlib
+import re
+import shutil
 import statistics
 import time
 
@@ -91,6 +93,34 @@ def free(i: int) -> Workload:
 
 
 WORKLOADS = {"extraction": extraction, "json": json_copy, "code_edit": code_edit, "free": free}
+
+
+def truncated_model(model_dir: str | pathlib.Path, out_dir: str | pathlib.Path, num_layers: int) -> pathlib.Path:
+    """A copy of an HF model directory with only its first num_layers decoder layers (embedding, final norm and LM
+    head kept): a draft model of the same vocabulary that agrees with its source more often than a random one."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source, out = pathlib.Path(model_dir), pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if config.get("layer_types"):
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {}
+    for file in sorted(source.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                layer = re.match(r"model\.layers\.(\d+)\.", name)
+                if layer is None or int(layer.group(1)) < num_layers:
+                    kept[name] = handle.get_tensor(name)
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    return out
 
 
 def run_batch(engine, prompts: list[str], max_new_tokens: int) -> tuple[float, list[dict]]:

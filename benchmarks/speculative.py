@@ -1,6 +1,6 @@
-"""N-gram speculative decoding on the default model: decode speed with and without it, where drafting helps
-(quoting or extracting from a long prompt, JSON that copies fields from the prompt, editing code) and where it
-does not (free generation), at batch 1 and batch 8.
+"""Speculative decoding on the default model: decode speed with and without it, where drafting helps (quoting
+or extracting from a long prompt, JSON that copies fields from the prompt, editing code) and where it does not
+(free generation), at batch 1 and batch 8. --algorithm NGRAM (prompt lookup) or STANDALONE (a draft model).
 
 Per workload and batch: output tokens per second of each engine (median over rounds, the two engines taking turns
 so a change in the machine's load falls on both), the acceptance rate (accepted drafts / drafted tokens), the mean
@@ -8,9 +8,15 @@ accepted length (tokens a verify step emits, its accepted drafts plus one), and 
 output is token for token the plain engine's: on CPU the verify forward's batched kernels round differently from
 decode's, so a near-tie may flip; on the tiny float32 test models it is exact).
 
-    python -m benchmarks.speculative [--max-new-tokens 128] [--rounds 3] [--threads 2] [--quick]
+STANDALONE has one real model to pair with itself, so the target is the default model in float32 with dense
+weights (dtype float32, quantization none: plain and speculative engines alike) and the drafts are cheaper
+versions of it: the same GGUF on its int4/int8 kernels (speculative_draft_model_quantization gguf; it reads about
+a quarter of the bytes per step), and the first --draft-layers of its 30 layers (a layer-truncated copy, dense).
 
-Writes benchmarks/results/speculative.json and .md (speculative_quick.* with --quick, a smoke run).
+    python -m benchmarks.speculative [--algorithm NGRAM] [--max-new-tokens 128] [--rounds 3] [--threads 2] [--quick]
+
+Writes benchmarks/results/speculative.json and .md (speculative_standalone.* for STANDALONE; *_quick.* with
+--quick, a smoke run).
 """
 
 from __future__ import annotations
@@ -147,12 +153,13 @@ def measure(engines: dict, prompts: list[str], args: argparse.Namespace) -> dict
             if round_index:
                 seconds[name].append(wall)
             outputs[name] = out
-    return summarize(seconds, outputs)
+    return {name: summarize(seconds, outputs, name) for name in engines if name != "plain"}
 
 
-def summarize(seconds: dict[str, list[float]], outputs: dict[str, list[dict]]) -> dict:
+def summarize(seconds: dict[str, list[float]], outputs: dict[str, list[dict]], name: str) -> dict:
+    """One speculative engine's figures against the plain engine's."""
     tokens = sum(len(r["output_ids"]) for r in outputs["plain"])
-    spec = outputs["speculative"]
+    spec = outputs[name]
     drafted = sum(r["meta_info"]["spec_draft_token_num"] for r in spec)
     accepted = sum(r["meta_info"]["spec_accept_token_num"] for r in spec)
     verifies = sum(r["meta_info"]["spec_verify_ct"] for r in spec)
@@ -161,8 +168,8 @@ def summarize(seconds: dict[str, list[float]], outputs: dict[str, list[dict]]) -
     return {
         "output_tokens": tokens,
         "plain_tok_s": tok_s["plain"],
-        "speculative_tok_s": tok_s["speculative"],
-        "speedup": tok_s["speculative"] / tok_s["plain"],
+        "speculative_tok_s": tok_s[name],
+        "speedup": tok_s[name] / tok_s["plain"],
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
@@ -177,13 +184,35 @@ def cpu_flags() -> list[str]:
 
 
 def start_engines(args: argparse.Namespace) -> dict:
+    """The plain engine and one speculative engine per draft (NGRAM: one), under the same engine arguments."""
     from furcate import Engine
 
     common = {"torch_num_threads": args.threads, "grammar_backend": "none"}
-    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens,
-            "speculative_ngram_min_match_window_size": args.min_window,
-            "speculative_ngram_max_match_window_size": args.max_window}
-    return {"plain": Engine("default", **common), "speculative": Engine("default", **common, **spec)}
+    if args.algorithm == "NGRAM":
+        spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens,
+                "speculative_ngram_min_match_window_size": args.min_window,
+                "speculative_ngram_max_match_window_size": args.max_window}
+        return {"plain": Engine("default", **common), "speculative": Engine("default", **common, **spec)}
+    common.update(dtype="float32", quantization="none")
+    engines = {"plain": Engine("default", **common)}
+    for name, draft in standalone_drafts(args).items():
+        engines[name] = Engine("default", **common, speculative_algorithm="STANDALONE",
+                               speculative_num_draft_tokens=args.num_draft_tokens, **draft)
+    return engines
+
+
+def standalone_drafts(args: argparse.Namespace) -> dict[str, dict]:
+    """Draft model arguments by row name: the default model on its quantized kernels, and truncated to its first
+    layers (built once into furcate's cache folder)."""
+    from furcate.runtime.model.default_model import prepare_default_model
+
+    source = prepare_default_model()
+    truncated = source.parent / f"{source.name}-first{args.draft_layers}"
+    if not (truncated / "model.safetensors").exists():
+        truncated_model(source, truncated, args.draft_layers)
+    return {"int4 draft": {"speculative_draft_model_path": "default",
+                           "speculative_draft_model_quantization": "gguf"},
+            f"{args.draft_layers}-layer draft": {"speculative_draft_model_path": str(truncated)}}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -200,19 +229,31 @@ def run(args: argparse.Namespace) -> dict:
         for name in args.workloads:
             for batch in args.batches:
                 prompts = [render(tokenizer, WORKLOADS[name](i)) for i in range(batch)]
-                results[f"{name}/batch{batch}"] = measure(engines, prompts, args)
-                print_row(f"{name}/batch{batch}", results[f"{name}/batch{batch}"])
+                for engine_name, result in measure(engines, prompts, args).items():
+                    row = f"{name}/batch{batch}" + ("" if engine_name == "speculative" else f" ({engine_name})")
+                    results[row] = result
+                    print_row(row, result)
     finally:
         for engine in engines.values():
             engine.shutdown()
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_flags": flags, "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "settings": {"max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "threads": args.threads,
-                     "num_draft_tokens": args.num_draft_tokens, "ngram_window": [args.min_window, args.max_window],
-                     "model": "default (Engine('default'): dtype and quantization auto)"},
+        "settings": settings(args),
         "results": results,
     }
+
+
+def settings(args: argparse.Namespace) -> dict:
+    common = {"algorithm": args.algorithm, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+              "threads": args.threads, "num_draft_tokens": args.num_draft_tokens}
+    if args.algorithm == "NGRAM":
+        return {**common, "ngram_window": [args.min_window, args.max_window],
+                "model": "default (Engine('default'): dtype and quantization auto)"}
+    return {**common, "model": "default, dtype float32, quantization none (plain and speculative)",
+            "drafts": {"int4 draft": "default, speculative_draft_model_quantization gguf (its Q4_0/Q8_0 kernels)",
+                       f"{args.draft_layers}-layer draft": f"default's first {args.draft_layers} of 30 layers, "
+                                                            "float32 dense"}}
 
 
 COLUMNS = ("plain tok/s", "spec tok/s", "speedup", "accept rate", "mean accepted len", "greedy agreement")
@@ -230,12 +271,17 @@ def print_row(name: str, result: dict) -> None:
 
 def markdown(report: dict) -> str:
     settings = report["settings"]
-    lines = ["# N-gram speculative decoding, default model", "",
+    if settings["algorithm"] == "NGRAM":
+        title, how = ("N-gram speculative decoding, default model",
+                      f"n-gram window {settings['ngram_window'][0]}..{settings['ngram_window'][1]}")
+    else:
+        title = "Draft-model (STANDALONE) speculative decoding, default model"
+        how = f"target {settings['model']}; drafts: " + "; ".join(f"{k}: {v}" for k, v in settings["drafts"].items())
+    lines = [f"# {title}", "",
              f"{report['date']}; CPU flags {', '.join(report['cpu_flags']) or 'none'}; load average before "
              f"{report['load_average_before']}, after {report['load_average_after']}; greedy, "
              f"{settings['max_new_tokens']} new tokens per request, median of {settings['rounds']} rounds, "
-             f"{settings['threads']} torch threads, {settings['num_draft_tokens']} draft tokens, n-gram window "
-             f"{settings['ngram_window'][0]}..{settings['ngram_window'][1]}.", "",
+             f"{settings['threads']} torch threads, {settings['num_draft_tokens']} draft tokens, {how}.", "",
              "| workload | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(row_values(result)) + " |" for name, result in report["results"].items()]
     return "\n".join(lines) + "\n"
@@ -243,6 +289,8 @@ def markdown(report: dict) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithm", choices=["NGRAM", "STANDALONE"], default="NGRAM")
+    parser.add_argument("--draft-layers", type=int, default=8, help="STANDALONE: the truncated draft's layers")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per engine (default: every core)")
@@ -261,7 +309,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     report = run(args)
-    stem = "speculative_quick" if args.quick else "speculative"
+    stem = "speculative" + ("_standalone" if args.algorithm == "STANDALONE" else "") + ("_quick" if args.quick else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(report))

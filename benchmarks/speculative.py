@@ -10,13 +10,15 @@ decode's, so a near-tie may flip; on the tiny float32 test models it is exact).
 
 STANDALONE has one real model to pair with itself, so the target is the default model in float32 with dense
 weights (dtype float32, quantization none: plain and speculative engines alike) and the drafts are cheaper
-versions of it: the same GGUF on its int4/int8 kernels (speculative_draft_model_quantization gguf; it reads about
-a quarter of the bytes per step), and the first --draft-layers of its 30 layers (a layer-truncated copy, dense).
+versions of it: the same GGUF on its quantized int4/int8 kernels (speculative_draft_model_quantization gguf;
+--drafts int4, the default) and its first --draft-layers of 30 layers (a layer-truncated copy, dense; --drafts
+truncated).
 
-    python -m benchmarks.speculative [--algorithm NGRAM] [--max-new-tokens 128] [--rounds 3] [--threads 2] [--quick]
+    python -m benchmarks.speculative [--algorithm NGRAM|STANDALONE] [--drafts int4 truncated] [--max-new-tokens 128]
+                                     [--rounds 3] [--threads 2] [--quick]
 
-Writes benchmarks/results/speculative.json and .md (speculative_standalone.* for STANDALONE; *_quick.* with
---quick, a smoke run).
+Writes benchmarks/results/speculative.json and .md (speculative_standalone.* for STANDALONE,
+speculative_standalone_truncated.* when the truncated draft is among them; *_quick.* with --quick, a smoke run).
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ def start_engines(args: argparse.Namespace) -> dict:
     """The plain engine and one speculative engine per draft (NGRAM: one), under the same engine arguments."""
     from furcate import Engine
 
-    common = {"torch_num_threads": args.threads, "grammar_backend": "none"}
+    # A bounded pool: by default each engine (and each draft model) would size its own from a share of free memory.
+    common = {"torch_num_threads": args.threads, "grammar_backend": "none", "max_total_tokens": args.max_total_tokens}
     if args.algorithm == "NGRAM":
         spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens,
                 "speculative_ngram_min_match_window_size": args.min_window,
@@ -202,17 +205,21 @@ def start_engines(args: argparse.Namespace) -> dict:
 
 
 def standalone_drafts(args: argparse.Namespace) -> dict[str, dict]:
-    """Draft model arguments by row name: the default model on its quantized kernels, and truncated to its first
-    layers (built once into furcate's cache folder)."""
+    """Draft model arguments by row name, of the drafts asked for: the default model on its quantized kernels
+    (int4), and truncated to its first layers (truncated; built once into furcate's cache folder)."""
     from furcate.runtime.model.default_model import prepare_default_model
 
-    source = prepare_default_model()
-    truncated = source.parent / f"{source.name}-first{args.draft_layers}"
-    if not (truncated / "model.safetensors").exists():
-        truncated_model(source, truncated, args.draft_layers)
-    return {"int4 draft": {"speculative_draft_model_path": "default",
-                           "speculative_draft_model_quantization": "gguf"},
-            f"{args.draft_layers}-layer draft": {"speculative_draft_model_path": str(truncated)}}
+    drafts = {}
+    if "int4" in args.drafts:
+        drafts["int4 draft"] = {"speculative_draft_model_path": "default",
+                                "speculative_draft_model_quantization": "gguf"}
+    if "truncated" in args.drafts:
+        source = prepare_default_model()
+        truncated = source.parent / f"{source.name}-first{args.draft_layers}"
+        if not (truncated / "model.safetensors").exists():
+            truncated_model(source, truncated, args.draft_layers)
+        drafts[f"{args.draft_layers}-layer draft"] = {"speculative_draft_model_path": str(truncated)}
+    return drafts
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -246,14 +253,16 @@ def run(args: argparse.Namespace) -> dict:
 
 def settings(args: argparse.Namespace) -> dict:
     common = {"algorithm": args.algorithm, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-              "threads": args.threads, "num_draft_tokens": args.num_draft_tokens}
+              "threads": args.threads, "num_draft_tokens": args.num_draft_tokens,
+              "max_total_tokens": args.max_total_tokens}
     if args.algorithm == "NGRAM":
         return {**common, "ngram_window": [args.min_window, args.max_window],
                 "model": "default (Engine('default'): dtype and quantization auto)"}
+    drafts = {"int4": ("int4 draft", "default, speculative_draft_model_quantization gguf (its Q4_0/Q8_0 kernels)"),
+              "truncated": (f"{args.draft_layers}-layer draft",
+                            f"default's first {args.draft_layers} of 30 layers, float32 dense")}
     return {**common, "model": "default, dtype float32, quantization none (plain and speculative)",
-            "drafts": {"int4 draft": "default, speculative_draft_model_quantization gguf (its Q4_0/Q8_0 kernels)",
-                       f"{args.draft_layers}-layer draft": f"default's first {args.draft_layers} of 30 layers, "
-                                                            "float32 dense"}}
+            "drafts": dict(drafts[name] for name in args.drafts)}
 
 
 COLUMNS = ("plain tok/s", "spec tok/s", "speedup", "accept rate", "mean accepted len", "greedy agreement")
@@ -290,8 +299,11 @@ def markdown(report: dict) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", choices=["NGRAM", "STANDALONE"], default="NGRAM")
-    parser.add_argument("--draft-layers", type=int, default=8, help="STANDALONE: the truncated draft's layers")
+    parser.add_argument("--drafts", nargs="+", choices=["int4", "truncated"], default=["int4"],
+                        help="STANDALONE: the draft models measured")
+    parser.add_argument("--draft-layers", type=int, default=15, help="STANDALONE: the truncated draft's layers")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-total-tokens", type=int, default=16384, help="KV slots per engine (and draft model)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per engine (default: every core)")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
@@ -306,10 +318,17 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def result_stem(args: argparse.Namespace) -> str:
+    stem = "speculative"
+    if args.algorithm == "STANDALONE":
+        stem += "_standalone" + ("_truncated" if "truncated" in args.drafts else "")
+    return stem + ("_quick" if args.quick else "")
+
+
 def main() -> None:
     args = parse_args()
     report = run(args)
-    stem = "speculative" + ("_standalone" if args.algorithm == "STANDALONE" else "") + ("_quick" if args.quick else "")
+    stem = result_stem(args)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(report))

@@ -103,6 +103,8 @@ def test_greedy_batch_equals_plain(name, engines):
         assert accepted > 0
     if name == "qwen2":
         assert after["num_retractions"] > 0, "the small pool was meant to force retraction"
+        undrafted = [r for r in first if r["meta_info"]["spec_draft_token_num"] == 0]
+        assert 0 < len(undrafted) < len(first), "the 64-token draft pool was meant to fit some requests only"
     assert_pool_free(engine)
     assert_draft_pool_free(engine)
 
@@ -226,3 +228,14 @@ def test_bad_draft_models_are_refused_at_engine_start(tiny_model_dirs, default_m
             Engine(target, **COMMON, **NO_GRAMMAR, **standalone(str(path)))
     with pytest.raises(ValueError, match="quantization is 'gguf'"):
         Engine(target, **COMMON, **NO_GRAMMAR, **standalone(target), speculative_draft_model_quantization="gguf")
+
+
+def test_a_seq_keeps_what_the_target_accepted():
+    """sync_point: the synced tokens, then drafts as far as the request's tokens took them; never the newest."""
+    from furcate.runtime.scheduler.draft_runner import DraftSeq, StandaloneDrafter
+
+    seq = DraftSeq(req=None, slot=0, tokens=[5, 6, 7, 1, 2, 3], synced=3)  # K/V of prompt 5, 6, 7, drafts 1, 2, 3
+    assert StandaloneDrafter.sync_point(seq, [5, 6, 7, 1, 2, 8]) == 5  # 1 and 2 accepted, then 8
+    assert StandaloneDrafter.sync_point(seq, [5, 6, 7, 4]) == 3  # the first draft rejected
+    assert StandaloneDrafter.sync_point(seq, [5, 6, 7, 1, 2, 3, 4, 9]) == 6  # all accepted: feed 4, 9
+    assert StandaloneDrafter.sync_point(seq, [5, 6, 7, 1, 2, 3]) == 5  # the newest is fed again for its logits

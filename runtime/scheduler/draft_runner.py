@@ -15,6 +15,7 @@ speculative/verify.py accepts exactly for greedy and sampled requests alike.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ from ..speculative.drafter import Drafter
 from .batch import ScheduleBatch, to_device
 from .model_runner import ModelRunner
 from .req import Req
+
+logger = logging.getLogger("furcate.scheduler")
 
 
 @dataclass
@@ -112,19 +115,20 @@ class StandaloneDrafter(Drafter):
         batch = [req for req, limit in zip(reqs, limits) if limit > 0]
         drafting, reserved = [], 0
         for req, limit in zip(reqs, limits):
-            if limit > 0 and (seq := self.admit(req, batch)) is not None:
+            fill = req.fill_ids if limit > 0 else []
+            if fill and (seq := self.admit(req, fill, batch)) is not None:
                 # What this step writes for it: the tokens its seq lacks, and every draft but the last.
-                needed = len(req.fill_ids) - len(seq.tokens) + limit - 1
+                needed = len(fill) - len(seq.tokens) + limit - 1
                 if self.make_room(reserved + needed, 0, batch):
                     reserved += needed
-                    drafting.append(Drafting(seq, req.fill_ids, limit))
-        if drafting:
-            self.run(drafting)
+                    drafting.append(Drafting(seq, fill, limit))
+        if drafting and not self.run_safely(drafting):
+            drafting = []
         drafts = {id(d.seq.req): d.drafts for d in drafting}
         return [drafts.get(id(req), []) for req in reqs]
 
-    def admit(self, req: Req, batch: list[Req]) -> DraftSeq | None:
-        """The request's seq, synced to its tokens; a new one when a request row is free (or can be freed by
+    def admit(self, req: Req, fill: list[int], batch: list[Req]) -> DraftSeq | None:
+        """The request's seq, synced to its tokens (fill); a new one when a request row is free (or can be freed by
         dropping a seq of a request outside the batch, retracted or not drafting now), else None."""
         seq = self.seqs.get(req.rid)
         if seq is not None and seq.req is not req:  # a finished request's rid, reused
@@ -134,7 +138,7 @@ class StandaloneDrafter(Drafter):
             if not self.make_room(0, 1, batch):
                 return None
             seq = self.seqs[req.rid] = DraftSeq(req, self.runner.req_pool.alloc())
-        self.sync(seq, req.fill_ids)
+        self.sync(seq, fill)
         seq.last_used = self.steps
         return seq
 
@@ -164,6 +168,18 @@ class StandaloneDrafter(Drafter):
         keep = self.sync_point(seq, fill)
         self.trim(seq, keep)
         seq.synced = keep
+
+    def run_safely(self, drafting: list[Drafting]) -> bool:
+        """run(), or on a failure of the draft model, no drafts this step: they only save time, and the draft K/V
+        of the seqs involved is dropped (it may not have been written)."""
+        try:
+            self.run(drafting)
+        except Exception as error:  # noqa: BLE001 - the target decodes on without drafts
+            logger.warning("the draft model failed, drafting nothing this step: %s: %s", type(error).__name__, error)
+            for d in drafting:
+                self.drop(d.seq)
+            return False
+        return True
 
     def run(self, drafting: list[Drafting]) -> None:
         """Catch up (in chunks of chunked_prefill_size), then one forward per draft position."""

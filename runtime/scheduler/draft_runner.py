@@ -80,7 +80,8 @@ class StandaloneDrafter(Drafter):
         return {"spec_draft_kv_available": self.runner.kv_pool.available_size(),
                 "spec_draft_max_total_tokens": self.runner.max_total_tokens,
                 "spec_draft_req_slots_available": self.runner.req_pool.available_size(),
-                "spec_draft_forward_calls": self.runner.forward_calls}
+                "spec_draft_forward_calls": self.runner.forward_calls,
+                "spec_draft_forward_seconds": self.runner.forward_seconds}
 
     def close(self) -> None:
         self.runner.close()

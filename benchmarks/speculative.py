@@ -1,6 +1,6 @@
-"""N-gram speculative decoding on the default model: decode speed with and without it, where drafting helps
-(quoting or extracting from a long prompt, JSON that copies fields from the prompt, editing code) and where it
-does not (free generation), at batch 1 and batch 8.
+"""Speculative decoding on the default model: decode speed with and without it, where drafting helps (quoting
+or extracting from a long prompt, JSON that copies fields from the prompt, editing code) and where it does not
+(free generation), at batch 1 and batch 8. --algorithm NGRAM (prompt lookup) or STANDALONE (a draft model).
 
 Per workload and batch: output tokens per second of each engine (median over rounds, the two engines taking turns
 so a change in the machine's load falls on both), the acceptance rate (accepted drafts / drafted tokens), the mean
@@ -8,9 +8,17 @@ accepted length (tokens a verify step emits, its accepted drafts plus one), and 
 output is token for token the plain engine's: on CPU the verify forward's batched kernels round differently from
 decode's, so a near-tie may flip; on the tiny float32 test models it is exact).
 
-    python -m benchmarks.speculative [--max-new-tokens 128] [--rounds 3] [--threads 2] [--quick]
+STANDALONE has one real model to pair with itself, so the target is the default model in float32 with dense
+weights (dtype float32, quantization none: plain and speculative engines alike) and the drafts are cheaper
+versions of it: the same GGUF on its quantized int4/int8 kernels (speculative_draft_model_quantization gguf;
+--drafts int4, the default) and its first --draft-layers of 30 layers (a layer-truncated copy, dense; --drafts
+truncated).
 
-Writes benchmarks/results/speculative.json and .md (speculative_quick.* with --quick, a smoke run).
+    python -m benchmarks.speculative [--algorithm NGRAM|STANDALONE] [--drafts int4 truncated] [--max-new-tokens 128]
+                                     [--rounds 3] [--threads 2] [--quick]
+
+Writes benchmarks/results/speculative.json and .md (speculative_standalone.* for STANDALONE,
+speculative_standalone_truncated.* when the truncated draft is among them; *_quick.* with --quick, a smoke run).
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import datetime
 import json
 import os
 import pathlib
+import re
+import shutil
 import statistics
 import time
 
@@ -93,6 +103,34 @@ def free(i: int) -> Workload:
 WORKLOADS = {"extraction": extraction, "json": json_copy, "code_edit": code_edit, "free": free}
 
 
+def truncated_model(model_dir: str | pathlib.Path, out_dir: str | pathlib.Path, num_layers: int) -> pathlib.Path:
+    """A copy of an HF model directory with only its first num_layers decoder layers (embedding, final norm and LM
+    head kept): a draft model of the same vocabulary that agrees with its source more often than a random one."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source, out = pathlib.Path(model_dir), pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if config.get("layer_types"):
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {}
+    for file in sorted(source.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                layer = re.match(r"model\.layers\.(\d+)\.", name)
+                if layer is None or int(layer.group(1)) < num_layers:
+                    kept[name] = handle.get_tensor(name)
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    return out
+
+
 def run_batch(engine, prompts: list[str], max_new_tokens: int) -> tuple[float, list[dict]]:
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
     started = time.perf_counter()
@@ -117,12 +155,13 @@ def measure(engines: dict, prompts: list[str], args: argparse.Namespace) -> dict
             if round_index:
                 seconds[name].append(wall)
             outputs[name] = out
-    return summarize(seconds, outputs)
+    return {name: summarize(seconds, outputs, name) for name in engines if name != "plain"}
 
 
-def summarize(seconds: dict[str, list[float]], outputs: dict[str, list[dict]]) -> dict:
+def summarize(seconds: dict[str, list[float]], outputs: dict[str, list[dict]], name: str) -> dict:
+    """One speculative engine's figures against the plain engine's."""
     tokens = sum(len(r["output_ids"]) for r in outputs["plain"])
-    spec = outputs["speculative"]
+    spec = outputs[name]
     drafted = sum(r["meta_info"]["spec_draft_token_num"] for r in spec)
     accepted = sum(r["meta_info"]["spec_accept_token_num"] for r in spec)
     verifies = sum(r["meta_info"]["spec_verify_ct"] for r in spec)
@@ -131,8 +170,8 @@ def summarize(seconds: dict[str, list[float]], outputs: dict[str, list[dict]]) -
     return {
         "output_tokens": tokens,
         "plain_tok_s": tok_s["plain"],
-        "speculative_tok_s": tok_s["speculative"],
-        "speedup": tok_s["speculative"] / tok_s["plain"],
+        "speculative_tok_s": tok_s[name],
+        "speedup": tok_s[name] / tok_s["plain"],
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
@@ -147,13 +186,40 @@ def cpu_flags() -> list[str]:
 
 
 def start_engines(args: argparse.Namespace) -> dict:
+    """The plain engine and one speculative engine per draft (NGRAM: one), under the same engine arguments."""
     from furcate import Engine
 
-    common = {"torch_num_threads": args.threads, "grammar_backend": "none"}
-    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens,
-            "speculative_ngram_min_match_window_size": args.min_window,
-            "speculative_ngram_max_match_window_size": args.max_window}
-    return {"plain": Engine("default", **common), "speculative": Engine("default", **common, **spec)}
+    # A bounded pool: by default each engine (and each draft model) would size its own from a share of free memory.
+    common = {"torch_num_threads": args.threads, "grammar_backend": "none", "max_total_tokens": args.max_total_tokens}
+    if args.algorithm == "NGRAM":
+        spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens,
+                "speculative_ngram_min_match_window_size": args.min_window,
+                "speculative_ngram_max_match_window_size": args.max_window}
+        return {"plain": Engine("default", **common), "speculative": Engine("default", **common, **spec)}
+    common.update(dtype="float32", quantization="none")
+    engines = {"plain": Engine("default", **common)}
+    for name, draft in standalone_drafts(args).items():
+        engines[name] = Engine("default", **common, speculative_algorithm="STANDALONE",
+                               speculative_num_draft_tokens=args.num_draft_tokens, **draft)
+    return engines
+
+
+def standalone_drafts(args: argparse.Namespace) -> dict[str, dict]:
+    """Draft model arguments by row name, of the drafts asked for: the default model on its quantized kernels
+    (int4), and truncated to its first layers (truncated; built once into furcate's cache folder)."""
+    from furcate.runtime.model.default_model import prepare_default_model
+
+    drafts = {}
+    if "int4" in args.drafts:
+        drafts["int4 draft"] = {"speculative_draft_model_path": "default",
+                                "speculative_draft_model_quantization": "gguf"}
+    if "truncated" in args.drafts:
+        source = prepare_default_model()
+        truncated = source.parent / f"{source.name}-first{args.draft_layers}"
+        if not (truncated / "model.safetensors").exists():
+            truncated_model(source, truncated, args.draft_layers)
+        drafts[f"{args.draft_layers}-layer draft"] = {"speculative_draft_model_path": str(truncated)}
+    return drafts
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -170,19 +236,33 @@ def run(args: argparse.Namespace) -> dict:
         for name in args.workloads:
             for batch in args.batches:
                 prompts = [render(tokenizer, WORKLOADS[name](i)) for i in range(batch)]
-                results[f"{name}/batch{batch}"] = measure(engines, prompts, args)
-                print_row(f"{name}/batch{batch}", results[f"{name}/batch{batch}"])
+                for engine_name, result in measure(engines, prompts, args).items():
+                    row = f"{name}/batch{batch}" + ("" if engine_name == "speculative" else f" ({engine_name})")
+                    results[row] = result
+                    print_row(row, result)
     finally:
         for engine in engines.values():
             engine.shutdown()
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_flags": flags, "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "settings": {"max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "threads": args.threads,
-                     "num_draft_tokens": args.num_draft_tokens, "ngram_window": [args.min_window, args.max_window],
-                     "model": "default (Engine('default'): dtype and quantization auto)"},
+        "settings": settings(args),
         "results": results,
     }
+
+
+def settings(args: argparse.Namespace) -> dict:
+    common = {"algorithm": args.algorithm, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+              "threads": args.threads, "num_draft_tokens": args.num_draft_tokens,
+              "max_total_tokens": args.max_total_tokens}
+    if args.algorithm == "NGRAM":
+        return {**common, "ngram_window": [args.min_window, args.max_window],
+                "model": "default (Engine('default'): dtype and quantization auto)"}
+    drafts = {"int4": ("int4 draft", "default, speculative_draft_model_quantization gguf (its Q4_0/Q8_0 kernels)"),
+              "truncated": (f"{args.draft_layers}-layer draft",
+                            f"default's first {args.draft_layers} of 30 layers, float32 dense")}
+    return {**common, "model": "default, dtype float32, quantization none (plain and speculative)",
+            "drafts": dict(drafts[name] for name in args.drafts)}
 
 
 COLUMNS = ("plain tok/s", "spec tok/s", "speedup", "accept rate", "mean accepted len", "greedy agreement")
@@ -200,12 +280,17 @@ def print_row(name: str, result: dict) -> None:
 
 def markdown(report: dict) -> str:
     settings = report["settings"]
-    lines = ["# N-gram speculative decoding, default model", "",
+    if settings["algorithm"] == "NGRAM":
+        title, how = ("N-gram speculative decoding, default model",
+                      f"n-gram window {settings['ngram_window'][0]}..{settings['ngram_window'][1]}")
+    else:
+        title = "Draft-model (STANDALONE) speculative decoding, default model"
+        how = f"target {settings['model']}; drafts: " + "; ".join(f"{k}: {v}" for k, v in settings["drafts"].items())
+    lines = [f"# {title}", "",
              f"{report['date']}; CPU flags {', '.join(report['cpu_flags']) or 'none'}; load average before "
              f"{report['load_average_before']}, after {report['load_average_after']}; greedy, "
              f"{settings['max_new_tokens']} new tokens per request, median of {settings['rounds']} rounds, "
-             f"{settings['threads']} torch threads, {settings['num_draft_tokens']} draft tokens, n-gram window "
-             f"{settings['ngram_window'][0]}..{settings['ngram_window'][1]}.", "",
+             f"{settings['threads']} torch threads, {settings['num_draft_tokens']} draft tokens, {how}.", "",
              "| workload | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(row_values(result)) + " |" for name, result in report["results"].items()]
     return "\n".join(lines) + "\n"
@@ -213,7 +298,12 @@ def markdown(report: dict) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithm", choices=["NGRAM", "STANDALONE"], default="NGRAM")
+    parser.add_argument("--drafts", nargs="+", choices=["int4", "truncated"], default=["int4"],
+                        help="STANDALONE: the draft models measured")
+    parser.add_argument("--draft-layers", type=int, default=15, help="STANDALONE: the truncated draft's layers")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-total-tokens", type=int, default=16384, help="KV slots per engine (and draft model)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per engine (default: every core)")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
@@ -228,10 +318,17 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def result_stem(args: argparse.Namespace) -> str:
+    stem = "speculative"
+    if args.algorithm == "STANDALONE":
+        stem += "_standalone" + ("_truncated" if "truncated" in args.drafts else "")
+    return stem + ("_quick" if args.quick else "")
+
+
 def main() -> None:
     args = parse_args()
     report = run(args)
-    stem = "speculative_quick" if args.quick else "speculative"
+    stem = result_stem(args)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(report))

@@ -26,6 +26,7 @@ registry.register("disaggregation_mode", "null")  # serving whole requests: no s
 registry.register("disaggregation_mode", "prefill", "furcate.runtime.disaggregation.prefill:PrefillSender")
 registry.register("disaggregation_mode", "decode", "furcate.runtime.disaggregation.decode:DecodeReceiver")
 registry.register("speculative_algorithm", "NGRAM", "furcate.runtime.speculative.ngram:NgramDrafter")
+registry.register("speculative_algorithm", "STANDALONE", "furcate.runtime.scheduler.draft_runner:StandaloneDrafter")
 registry.register("disaggregation_transfer_backend", "mooncake",
                   "furcate.runtime.disaggregation.transfer:MooncakeAgent")
 registry.register("disaggregation_transfer_backend", "nixl", "furcate.runtime.disaggregation.nixl_agent:NixlAgent")
@@ -124,15 +125,24 @@ class EngineArgs:
     # Seconds a request's two halves wait for each other (queueing included) before it fails.
     disaggregation_timeout: float = 300.0
     # Speculative decoding (SGLang's names): NGRAM drafts each decoding request's next tokens from its own prompt
-    # and output (prompt lookup: what followed the latest earlier occurrence of its last n tokens), and one forward
-    # verifies them; greedy output is unchanged, sampled output keeps its distribution. None: off. Runs on the plain
-    # loop only (disable_overlap_schedule).
+    # and output (prompt lookup: what followed the latest earlier occurrence of its last n tokens), STANDALONE with
+    # a small draft model's greedy tokens (speculative_draft_model_path); one forward verifies them. Greedy output
+    # is unchanged, sampled output keeps its distribution. None: off. Runs on the plain loop only
+    # (disable_overlap_schedule).
     speculative_algorithm: str | None = None
     # Draft tokens proposed per request and step (the verify forward computes this many more rows per request).
     speculative_num_draft_tokens: int = 4
     # The n-gram lengths matched against earlier text, longest first; a shorter match drafts more often and worse.
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 4
+    # STANDALONE: the draft model, an HF model directory or a GGUF file ("default": the embedded model) with the
+    # target's vocabulary. It runs in the engine's dtype, on its own KV pool (never the prefix cache).
+    speculative_draft_model_path: str | None = None
+    # The draft model's quantization (choices as quantization's); None: the target's.
+    speculative_draft_model_quantization: str | None = None
+    # KV slots of the draft model's pool; None: as many as the target's. A request the pool has no room for
+    # drafts nothing that step.
+    speculative_draft_max_total_tokens: int | None = None
     # Images (vision-language models): decoded pixels allowed per image, images per request, and whether http(s)
     # image URLs are fetched (off by default: a server must not fetch arbitrary addresses; on, with a size and a
     # time limit). Local file paths are read by the Engine; the HTTP server reads them only from data: URLs.
@@ -205,6 +215,29 @@ class EngineArgs:
         if low > high:
             raise ValueError("speculative_ngram_min_match_window_size must be <= "
                              f"speculative_ngram_max_match_window_size, got {low} and {high}")
+        self._validate_draft_model()
+
+    def _validate_draft_model(self) -> None:
+        """The STANDALONE fields (the draft model itself is checked before it loads: speculative/draft_check.py)."""
+        path = self.speculative_draft_model_path
+        standalone = self.speculative_algorithm == "STANDALONE"
+        if standalone and (not isinstance(path, str) or not path):
+            raise ValueError("speculative_algorithm='STANDALONE' needs speculative_draft_model_path (an HF model "
+                             f"directory or a GGUF file), got {path!r}")
+        if not standalone and path is not None:
+            raise ValueError("speculative_draft_model_path is used only with speculative_algorithm='STANDALONE', got "
+                             f"speculative_algorithm={self.speculative_algorithm!r}")
+        quantization = self.speculative_draft_model_quantization
+        if quantization is not None and quantization not in registry.names("quantization"):
+            raise ValueError(f"speculative_draft_model_quantization must be None or one of "
+                             f"{registry.names('quantization')}, got {quantization!r}")
+        size = self.speculative_draft_max_total_tokens
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 16):
+            raise ValueError(f"speculative_draft_max_total_tokens must be an integer >= 16, got {size!r}")
+
+    @property
+    def draft_quantization(self) -> str:
+        return self.speculative_draft_model_quantization or self.quantization
 
     @property
     def num_threads(self) -> int:

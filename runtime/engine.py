@@ -35,6 +35,7 @@ from .request_builder import RequestBuilder
 from .request_state import RequestState
 from .scheduler.process import AUTHKEY_ENV
 from .schema_check import SchemaChecker
+from .speculative.draft_check import prepare_draft_model
 
 STARTUP_TIMEOUT_S = 600
 
@@ -95,6 +96,7 @@ class Engine(EngineRl):
         self.model_path = resolve_model_path(model_path)
         if self.args.tp_size > 1:  # a model that cannot be split fails here, before any process starts
             check_tp_size(load_config(self.model_path), self.args.tp_size)
+        self.args = prepare_draft_model(self.args, self.model_path)  # STANDALONE: a bad draft model fails here
         self.tokenizer_path = self.args.tokenizer_path or self.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         self._send_lock = threading.Lock()

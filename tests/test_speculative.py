@@ -249,7 +249,7 @@ def test_ngram_index_drafts_after_the_latest_longest_match():
 
 
 @pytest.mark.parametrize("args, message", [
-    ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm must be one of ('NGRAM',)"),
+    ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm must be one of ('NGRAM', 'STANDALONE')"),
     ({"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens must be an integer in [1, 64]"),
     ({"speculative_num_draft_tokens": 65}, "speculative_num_draft_tokens"),
     ({"speculative_ngram_min_match_window_size": 0}, "speculative_ngram_min_match_window_size"),

@@ -20,6 +20,7 @@ from .. import registry
 from ..config import EngineArgs
 from ..messages import SpecCounts
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
+from ..speculative.drafter import Drafter
 from ..speculative.verify import Proposal, verify
 from .batch import ReqSlice, ScheduleBatch
 from .launchers import PlainLauncher
@@ -51,11 +52,11 @@ def step_tokens(result: StepResult, b: int) -> list[Token]:
 
 
 class Speculator(SchedulerPlugin):
-    """Drafts for decode slices within the KV room left, verifies them, and trims what was rejected. A plug-in
-    only for its stats(): it holds no requests."""
+    """Drafts for decode slices within the KV room left, verifies them, and trims what was rejected. A plug-in for
+    its stats() and to tell the drafter when a request ends (finished or aborted): it holds no requests."""
 
     def __init__(self, args: EngineArgs, runner: ModelRunner) -> None:
-        self.drafter = registry.resolve("speculative_algorithm", args.speculative_algorithm)(args)
+        self.drafter: Drafter = registry.resolve("speculative_algorithm", args.speculative_algorithm)(args, runner)
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.jump_forward = not args.disable_jump_forward
         self.runner = runner
@@ -63,19 +64,35 @@ class Speculator(SchedulerPlugin):
 
     def stats(self) -> dict[str, Any]:
         return {"spec_verify_steps": self.totals.verify_ct, "spec_draft_tokens": self.totals.draft_tokens,
-                "spec_accepted_tokens": self.totals.accepted_tokens}
+                "spec_accepted_tokens": self.totals.accepted_tokens, **self.drafter.stats()}
+
+    def take_finished(self, req: Req) -> bool:
+        self.drafter.release(req)
+        return False
+
+    def remove(self, rid: str) -> list[Req]:
+        self.drafter.release_rid(rid)
+        return []
+
+    def close(self) -> None:
+        self.drafter.close()
 
     # -- drafting -------------------------------------------------------------------------------------------
 
     def draft(self, slices: list[ReqSlice], room: int) -> None:
         """Give decode slices drafts, taking only the KV room `room` the scheduler leaves them: drafts never make it
-        retract a request."""
+        retract a request. The room is shared out in batch order, then the drafter proposes for all at once."""
+        limits = []
         for piece in slices:
-            if room <= 0:
-                return
-            piece.draft = self.propose(piece.req, min(room, self.draft_limit(piece)))
+            limits.append(max(min(room, self.draft_limit(piece)), 0))
+            room -= limits[-1]
+        if not any(limits):
+            return
+        proposed = self.drafter.propose([piece.req for piece in slices], limits)
+        for piece, tokens in zip(slices, proposed):
+            piece.draft = (self.grammar_prefix(piece.req, tokens) if tokens and piece.req.matcher is not None
+                           else tokens)
             piece.length += len(piece.draft)
-            room -= len(piece.draft)
 
     def draft_limit(self, piece: ReqSlice) -> int:
         """Drafts worth verifying: a step emits at most drafts + 1 tokens, never past max_new_tokens or the
@@ -85,15 +102,6 @@ class Speculator(SchedulerPlugin):
             return 0
         left = min(req.remaining_output, self.runner.context_length - len(req.input_ids) - len(req.output_ids))
         return min(self.num_draft_tokens, left - 1)
-
-    def propose(self, req: Req, limit: int) -> list[int]:
-        if limit <= 0:
-            return []
-        if req.draft_state is None:
-            req.draft_state = self.drafter.new_state()
-        req.draft_state.sync(req.input_ids, req.output_ids)
-        tokens = req.draft_state.propose(limit)
-        return self.grammar_prefix(req, tokens) if tokens and req.matcher is not None else tokens
 
     def grammar_prefix(self, req: Req, tokens: list[int]) -> list[int]:
         """The drafts the grammar allows in a row. Drafting stops before a token after which the grammar forces a

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .drafter import Drafter
+
 if TYPE_CHECKING:
     from ..config import EngineArgs
+    from ..scheduler.model_runner import ModelRunner
+    from ..scheduler.req import Req
 
 
 class NgramIndex:
@@ -52,12 +56,19 @@ class NgramIndex:
         return []
 
 
-class NgramDrafter:
-    """The NGRAM speculative_algorithm: each request keeps an NgramIndex over its text."""
+class NgramDrafter(Drafter):
+    """The NGRAM speculative_algorithm: each request keeps an NgramIndex over its text (in req.draft_state, so it
+    goes with the request: nothing to release)."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, target: ModelRunner | None = None) -> None:
         self.min_n = args.speculative_ngram_min_match_window_size
         self.max_n = args.speculative_ngram_max_match_window_size
 
-    def new_state(self) -> NgramIndex:
-        return NgramIndex(self.min_n, self.max_n)
+    def propose(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        return [self.propose_one(req, limit) if limit > 0 else [] for req, limit in zip(reqs, limits)]
+
+    def propose_one(self, req: Req, limit: int) -> list[int]:
+        if req.draft_state is None:
+            req.draft_state = NgramIndex(self.min_n, self.max_n)
+        req.draft_state.sync(req.input_ids, req.output_ids)
+        return req.draft_state.propose(limit)

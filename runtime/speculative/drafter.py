@@ -1,0 +1,29 @@
+"""What the scheduler's Speculator (scheduler/speculation.py) asks of a drafter, whichever algorithm it is."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..scheduler.req import Req
+
+
+class Drafter:
+    """Proposes the next tokens of a decode batch's requests, all at once (a draft model runs one forward per draft
+    position for the whole batch). Its per-request state is its own; the hooks below say when to drop it."""
+
+    def propose(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        """Per request, at most limits[i] tokens guessed to follow its prompt and output ([] when limit is 0)."""
+        raise NotImplementedError
+
+    def release(self, req: Req) -> None:
+        """The request finished: free what the drafter holds for it."""
+
+    def release_rid(self, rid: str) -> None:
+        """The request with this id was aborted, wherever it was."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        """The scheduler loop stopped."""

@@ -41,11 +41,13 @@ def llava_dir(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(scope="module")
 def engines(llava_dir):
-    """Radix cache on; and radix off with prefill in chunks of 16, which cut through images."""
+    """Radix cache on; radix off with prefill in chunks of 16, which cut through images; n-gram speculation."""
     with engines_side_by_side(
             (str(llava_dir), {**EXACT, "max_total_tokens": 4096, "torch_num_threads": 1}),
             (str(llava_dir), {**EXACT, "max_total_tokens": 4096, "torch_num_threads": 1,
-                              "disable_radix_cache": True, "chunked_prefill_size": 16})) as started:
+                              "disable_radix_cache": True, "chunked_prefill_size": 16}),
+            (str(llava_dir), {**EXACT, "max_total_tokens": 4096, "torch_num_threads": 1,
+                              "speculative_algorithm": "NGRAM"})) as started:
         yield started
         for engine in started:
             assert_pool_free(engine)
@@ -82,10 +84,26 @@ def reference(llava_dir):
 def test_greedy_equals_hf_for_a_batch_of_prompts_showing_different_images(engines, reference):
     images = [[picture(10 * i + j) for j in range(count)] for i, (_, count) in enumerate(PROMPTS)]
     expected = [reference.greedy(prompt, shown) for (prompt, _), shown in zip(PROMPTS, images)]
-    for engine in engines:
+    for engine in engines[:2]:
         outputs = engine.generate([p for p, _ in PROMPTS], GREEDY, image_data=images)
         assert [o["output_ids"] for o in outputs] == expected
         assert [o["meta_info"]["prompt_tokens"] for o in outputs] == [len(reference.expanded(p)) for p, _ in PROMPTS]
+
+
+def test_ngram_drafts_stop_before_an_images_pads(engines, reference):
+    """Prompt lookup would draft an image's pads: the prompt A B <image> C A, and a first token forced to B, make
+    the bigram A B, last seen just before the image, the suffix to draft from."""
+    a, b, c = 300, 301, 302
+    ids = [a, b, reference.image_token, c, a]
+    sampling = {**GREEDY, "logit_bias": {str(b): 100.0}}
+    out = engines[2].generate(input_ids=ids, sampling_params=sampling, image_data=picture(9))
+    expanded = [a, b] + [reference.image_token] * TOKENS_PER_IMAGE + [c, a]
+    pixels = torch.from_numpy(reference.processor(images=[picture(9)], return_tensors="np")["pixel_values"])
+    with torch.inference_mode():
+        hf = reference.model.generate(input_ids=torch.tensor([expanded]), pixel_values=pixels, max_new_tokens=8,
+                                      min_new_tokens=8, do_sample=False, pad_token_id=0,
+                                      sequence_bias={(b,): 100.0})
+    assert out["output_ids"] == hf[0, len(expanded):].tolist()
 
 
 def test_chunked_prefill_cuts_through_an_image(engines, reference):

@@ -84,12 +84,14 @@ class Speculator(SchedulerPlugin):
         retract a request. The room is shared out in batch order, then the drafter proposes for all at once."""
         limits = []
         for piece in slices:
-            limits.append(max(min(room, self.draft_limit(piece)), 0))
+            readable = self.drafter.reads_images or not piece.req.images
+            limits.append(max(min(room, self.draft_limit(piece)), 0) if readable else 0)
             room -= limits[-1]
         if not any(limits):
             return
         proposed = self.drafter.propose([piece.req for piece in slices], limits)
         for piece, tokens in zip(slices, proposed):
+            tokens = in_vocabulary(tokens, self.runner.vocab_size)
             piece.draft = (self.grammar_prefix(piece.req, tokens) if tokens and piece.req.matcher is not None
                            else tokens)
             piece.length += len(piece.draft)
@@ -197,6 +199,15 @@ class SpeculativeLauncher(PlainLauncher):
         with self.runner.on_forward_stream():
             result = self.speculator.run(batch)
         self.fold(batch, result)
+
+
+def in_vocabulary(tokens: list[int], vocab_size: int) -> list[int]:
+    """The drafts before the first image pad (an id past the vocabulary, copied from a prompt that shows an
+    image): a pad has no embedding of its own outside its image's rows."""
+    for i, token in enumerate(tokens):
+        if token >= vocab_size:
+            return tokens[:i]
+    return tokens
 
 
 def fill_rows(matcher: Any, draft: list[int], bitmask: torch.Tensor, offset: int) -> list[int]:

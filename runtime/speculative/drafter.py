@@ -12,6 +12,10 @@ class Drafter:
     """Proposes the next tokens of a decode batch's requests, all at once (a draft model runs one forward per draft
     position for the whole batch). Its per-request state is its own; the hooks below say when to drop it."""
 
+    # A draft model reads token ids only: a prompt that shows images (their positions hold hash pads past the
+    # vocabulary) is not drafted for. Drafters that only copy ids (n-gram) draft for it.
+    reads_images = False
+
     def propose(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
         """Per request, at most limits[i] tokens guessed to follow its prompt and output ([] when limit is 0)."""
         raise NotImplementedError

@@ -60,6 +60,8 @@ class NgramDrafter(Drafter):
     """The NGRAM speculative_algorithm: each request keeps an NgramIndex over its text (in req.draft_state, so it
     goes with the request: nothing to release)."""
 
+    reads_images = True  # it copies ids; the Speculator cuts a draft before any image pad
+
     def __init__(self, args: EngineArgs, target: ModelRunner | None = None) -> None:
         self.min_n = args.speculative_ngram_min_match_window_size
         self.max_n = args.speculative_ngram_max_match_window_size

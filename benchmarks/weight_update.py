@@ -39,6 +39,7 @@ for _ in range(int(sys.argv[4])):
     for t in tensors:
         dist.broadcast(t if rank == 0 else torch.empty_like(t), src=0, group=group)
     print(time.perf_counter() - started, flush=True)
+dist.destroy_process_group(group)
 """
 
 

@@ -21,7 +21,7 @@ MAX_TEXT = 4096
 
 @dataclass(frozen=True)
 class UpdateFromTensor:
-    blob: bytes  # the named tensors as one safetensors buffer (serialize_named_tensors)
+    path: str  # the named tensors as a safetensors file the engine wrote (in shared memory where there is one)
     flush_cache: bool = True
     weight_version: str | None = None
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load as load_blob
 from safetensors.torch import load_file, save_file
 
 from ..distributed.followers import FollowerCall, FollowerReply
@@ -56,10 +55,11 @@ class RankControl:
 
     # -- updates: stage, then commit ----------------------------------------------------------------------
 
-    def stage_blob(self, blob: bytes) -> int:
+    def stage_file(self, path: str) -> int:
+        """The tensors of an update_weights_from_tensor, from the safetensors file the engine wrote."""
         try:
-            named = load_blob(blob)
-        except (SafetensorError, ValueError, RuntimeError) as error:
+            named = load_file(path)
+        except (SafetensorError, ValueError, RuntimeError, OSError) as error:
             raise ValueError(f"the serialized tensors are not a safetensors buffer: {error}") from None
         if not named:
             raise ValueError("the update holds no tensors")

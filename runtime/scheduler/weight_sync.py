@@ -60,7 +60,7 @@ class WeightSync(SchedulerPlugin):
     # -- updates ------------------------------------------------------------------------------------------
 
     def update_from_tensor(self, call: UpdateFromTensor) -> ControlResult:
-        return self._update("stage_blob", (call.blob,), call.weight_version, "tensors")
+        return self._update("stage_file", (call.path,), call.weight_version, "tensors")
 
     def update_from_disk(self, call: UpdateFromDisk) -> ControlResult:
         try:

@@ -81,7 +81,8 @@ def furcate_run(model_dir: str, images: list, args: argparse.Namespace, radix: b
 
     with Engine(model_dir, dtype="float32", quantization="none", torch_num_threads=args.threads,
                 disable_radix_cache=not radix, max_total_tokens=QUESTIONS * 400) as engine:
-        sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
+        # As HF's min_new_tokens: EOS masked for every step, so both emit the same number of tokens.
+        sampling = {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens, "temperature": 0}
         engine.generate(prompts()[0], sampling, image_data=images[0])  # warm-up
         assert engine.flush_cache()
         started = time.perf_counter()

@@ -262,3 +262,28 @@ def test_a_program_asks_about_an_image_forks_after_it_and_selects(engines, refer
     remote = ask_about.run(image=image, question="What is it?", backend=sgl.RuntimeEndpoint(vision_server.url))
     assert (remote["answer"], remote["followed"], remote["color"]) == \
         (local["answer"], local["followed"], local["color"])
+
+
+@sgl.function
+def chat_about(s, image):
+    s += sgl.user(sgl.image(image) + " What is it?")
+    s += sgl.assistant(sgl.gen("answer", max_tokens=6, temperature=0))
+    s += sgl.user("Red or blue?")
+    s += sgl.assistant(sgl.select("color", ["red", "blue"]))
+
+
+def test_the_openai_backend_sends_images_as_image_url_parts(engines, vision_server):
+    image = picture(11)
+    local = chat_about.run(image=image, backend=LocalBackend(engines[0]))
+    model = requests.get(vision_server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    remote = chat_about.run(image=image, backend=sgl.OpenAI(model, base_url=vision_server.url + "/v1",
+                                                             server_extensions=True))
+    assert (remote["answer"], remote["color"]) == (local["answer"], local["color"])
+
+    @sgl.function
+    def outside_roles(s, image):
+        s += sgl.image(image) + " plain text"
+        s += sgl.gen("x", max_tokens=2)
+
+    with pytest.raises(sgl.ProgramError, match="inside a role"):
+        outside_roles.run(image=image, backend=sgl.OpenAI(model, base_url=vision_server.url + "/v1"))["x"]

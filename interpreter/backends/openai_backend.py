@@ -32,10 +32,12 @@ from ...grammars.spec import ANY_JSON
 from ...lang.choices import ChoiceScores
 from ..chat_template import ChatTemplate
 from .base import Backend, choice_starts, wire_sampling
+from .image_wire import REMOTE_FORMS, wire_image
 from .jinja_template import JinjaTemplateTokenizer
 from .per_loop import PerLoop
 
 ROLE_START = "<|im_start|>"
+IMAGE_MARKER = "<|furcate_image|>"  # where an image stands in a prompt; sent as an image_url part
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TURN = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)<\|im_end\|>\n", re.DOTALL)
@@ -87,6 +89,11 @@ class OpenAI(Backend):
     def chat_template(self) -> ChatTemplate:
         return self._template
 
+    @property
+    def image_placeholder(self) -> str:
+        """A marker in the prompt text; each becomes an image_url part of its chat message (chat roles only)."""
+        return IMAGE_MARKER
+
     def close(self) -> None:
         self._clients.close_all()
 
@@ -94,7 +101,7 @@ class OpenAI(Backend):
 
     async def generate(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),
                        **logprob_args: Any) -> dict | list[dict]:
-        chat, kwargs = self._request(prompt, sampling, logprob_args)
+        chat, kwargs = self._request(prompt, sampling, logprob_args, images)
         client = self._clients.get()
         if chat:
             response = await client.chat.completions.create(**kwargs)
@@ -105,7 +112,7 @@ class OpenAI(Backend):
 
     async def generate_stream(self, prompt: str, sampling: dict[str, Any], images: Sequence[Any] = (),
                               **logprob_args: Any) -> AsyncIterator[dict]:
-        chat, kwargs = self._request(prompt, sampling, logprob_args)
+        chat, kwargs = self._request(prompt, sampling, logprob_args, images)
         client = self._clients.get()
         create = client.chat.completions.create if chat else client.completions.create
         stream = await create(**kwargs, stream=True, stream_options={"include_usage": True})
@@ -123,13 +130,16 @@ class OpenAI(Backend):
         # The last word, once the token counts are known: the finish reason.
         yield {"text": text, "meta_info": {**meta, "finish_reason": finished and finish_reason(finished, meta)}}
 
-    def _request(self, prompt: str, sampling: dict[str, Any], logprob_args: dict[str, Any]) -> tuple[bool, dict]:
+    def _request(self, prompt: str, sampling: dict[str, Any], logprob_args: dict[str, Any],
+                 images: Sequence[Any] = ()) -> tuple[bool, dict]:
         """Whether the prompt goes to the chat route, and the create() keywords for it."""
         chat = ROLE_START in prompt
         sampling = wire_sampling(sampling)
         kwargs: dict[str, Any] = {"model": self.model_name}
         if chat:
-            kwargs["messages"] = chat_messages(prompt, "a gen")
+            kwargs["messages"] = with_images(chat_messages(prompt, "a gen"), images)
+        elif images:
+            raise ValueError("on an OpenAI API, images go in chat messages: put sgl.image(...) inside a role")
         else:
             kwargs["prompt"] = prompt
         if "max_new_tokens" in sampling:
@@ -168,7 +178,9 @@ class OpenAI(Backend):
     async def score_choices(self, prompt: str, choices: list[str], unconditional: bool,
                             images: Sequence[Any] = ()) -> list[ChoiceScores]:
         if ROLE_START in prompt:
-            return await self._constrained_choice(prompt, choices, unconditional)
+            return await self._constrained_choice(prompt, choices, unconditional, images)
+        if images:
+            raise ValueError("on an OpenAI API, images go in chat messages: put sgl.image(...) inside a role")
         if unconditional:
             raise ValueError("unconditional_likelihood_normalized needs each choice scored after the start token "
                              "alone, which the OpenAI API cannot express; use token_length_normalized or "
@@ -191,10 +203,11 @@ class OpenAI(Backend):
         return [ChoiceScores([lp for lp in row.token_logprobs[start:] if lp is not None])
                 for row, start in zip(choice_rows, starts)]
 
-    async def _constrained_choice(self, prompt: str, choices: list[str], unconditional: bool) -> list[ChoiceScores]:
+    async def _constrained_choice(self, prompt: str, choices: list[str], unconditional: bool,
+                                  images: Sequence[Any] = ()) -> list[ChoiceScores]:
         """The server's greedy pick among the choices, decoded under a constraint that allows only them."""
-        kwargs: dict[str, Any] = {"model": self.model_name, "messages": chat_messages(prompt, "a select"),
-                                  "temperature": 0}
+        kwargs: dict[str, Any] = {"model": self.model_name, "temperature": 0,
+                                  "messages": with_images(chat_messages(prompt, "a select"), images)}
         longest = max(len(choice.encode()) for choice in choices)  # a token is at least one byte
         if self.server_extensions:
             kwargs["extra_body"] = {"regex": "(" + "|".join(map(escape_regex, choices)) + ")"}
@@ -235,6 +248,33 @@ def chat_messages(prompt: str, what: str) -> list[dict[str, str]]:
         raise ValueError(f"on an OpenAI chat API, {what} must come first in the assistant's turn: the API cannot "
                          f"continue the assistant message already begun ({partial[:40]!r})")
     return messages
+
+
+def with_images(messages: list[dict[str, Any]], images: Sequence[Any]) -> list[dict[str, Any]]:
+    """Messages whose text holds image markers as content parts: text, then each image as an image_url part
+    (a data: URL, as OpenAI's API takes an image), in the order the program showed them."""
+    if not images:
+        return messages
+    remaining = list(images)
+    parted = []
+    for message in messages:
+        pieces = message["content"].split(IMAGE_MARKER)
+        if len(pieces) == 1:
+            parted.append(message)
+            continue
+        parts: list[dict[str, Any]] = []
+        for i, piece in enumerate(pieces):
+            if i:
+                parts.append({"type": "image_url", "image_url": {"url": image_url(remaining.pop(0))}})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        parted.append({**message, "content": parts})
+    return parted
+
+
+def image_url(source: Any) -> str:
+    wired = wire_image(source)
+    return wired if wired.startswith(REMOTE_FORMS) else f"data:image/png;base64,{wired}"
 
 
 def response_format(json_schema: str) -> dict[str, Any]:

@@ -287,3 +287,12 @@ def test_the_openai_backend_sends_images_as_image_url_parts(engines, vision_serv
 
     with pytest.raises(sgl.ProgramError, match="inside a role"):
         outside_roles.run(image=image, backend=sgl.OpenAI(model, base_url=vision_server.url + "/v1"))["x"]
+
+
+def test_images_count_against_the_context_length(engines, reference):
+    """The text and its two placeholders fit the 1024-token context; with each image's 16 tokens it does not."""
+    words = 1024 - 10
+    prompt = "<image><image>" + " hello" * words
+    assert len(reference.tokenizer.encode(prompt)) < 1023 < len(reference.expanded(prompt))
+    with pytest.raises(ValueError, match="prompt has"):
+        engines[0].generate(prompt, GREEDY, image_data=[picture(1), picture(2)])

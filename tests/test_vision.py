@@ -106,6 +106,15 @@ def test_ngram_drafts_stop_before_an_images_pads(engines, reference):
     assert out["output_ids"] == hf[0, len(expanded):].tolist()
 
 
+def test_the_same_image_in_a_batch_is_encoded_once(engines, reference):
+    engine = engines[1]  # radix off: every request computes its whole prompt
+    before = engine.get_stats()["images_encoded"]
+    prompts = [f"Question {i} about <image>:" for i in range(4)]
+    outputs = engine.generate(prompts, GREEDY, image_data=[picture(20)] * 4)
+    assert engine.get_stats()["images_encoded"] - before == 1
+    assert [o["output_ids"] for o in outputs] == [reference.greedy(p, [picture(20)]) for p in prompts]
+
+
 def test_chunked_prefill_cuts_through_an_image(engines, reference):
     prompt = "A long preamble before the image, long enough to end a chunk inside it: <image> so what?"
     before_image = reference.expanded(prompt).index(reference.image_token)

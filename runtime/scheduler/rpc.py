@@ -93,6 +93,7 @@ class SchedulerRpc:
             "cached_tokens_total": s.cached_tokens_total,
             "jumped_tokens": s.jumped_tokens,
             "transfers_in_flight": len(self.held()),
+            "images_encoded": runner.images.encoded_images if runner.images is not None else 0,
         }
         for plugin in s.plugins:
             stats.update(plugin.stats())

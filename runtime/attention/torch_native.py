@@ -37,6 +37,7 @@ class Bucket:
     max_q: int
     max_k: int
     shared_len: int = 0  # leading KV slots all requests share (cascade attention); see cascade.py
+    unmasked: bool = False  # one query per request and no padding: the mask would be all True
     masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -51,8 +52,11 @@ class Bucket:
                                    kv_index=self.kv_index.to(device), causal=self.causal.to(device),
                                    query_pos=self.query_pos.to(device), masks={})
 
-    def mask(self, sliding_window: int | None, group: int) -> torch.Tensor:
-        """[B, 1, group * max_q, max_k]: each request's mask repeated for the query heads of a KV group."""
+    def mask(self, sliding_window: int | None, group: int) -> torch.Tensor | None:
+        """[B, 1, group * max_q, max_k]: each request's mask repeated for the query heads of a KV group; None
+        where every query sees every key (decode of equal-length requests), which SDPA runs faster unmasked."""
+        if self.unmasked and (sliding_window is None or sliding_window >= self.max_k):
+            return None
         key = (sliding_window, group)
         if key not in self.masks:
             mask = self.causal
@@ -146,6 +150,7 @@ class TorchNativeAttention:
             max_q=max_q,
             max_k=max_k,
             shared_len=shared,
+            unmasked=max_q == 1 and bool((seq_lens == max_k).all()),
         )
 
     def forward(
@@ -202,7 +207,8 @@ class TorchNativeAttention:
         out_prefix = out_prefix.view(num_kv_heads, bsz, rows, head_dim).transpose(0, 1)
         lse_prefix = lse_prefix.view(num_kv_heads, bsz, rows, 1).transpose(0, 1)
         suffix_k, suffix_v = pool.gather(layer_id, bucket.kv_index[:, shared:])  # [B, max_k - P, Hkv, D]
-        suffix_mask = bucket.mask(None, group)[..., shared:]
+        mask = bucket.mask(None, group)
+        suffix_mask = None if mask is None else mask[..., shared:]
         out_suffix, lse_suffix = attend_with_lse(grouped, suffix_k.transpose(1, 2), suffix_v.transpose(1, 2),
                                                  scaling, suffix_mask)
         return merge(out_prefix, lse_prefix, out_suffix, lse_suffix)

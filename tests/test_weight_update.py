@@ -55,6 +55,17 @@ def model_with(model_dir: Path, weights: dict[str, torch.Tensor]) -> HFReference
     return reference
 
 
+def submit_running(pool: ThreadPoolExecutor, engine: Engine, max_new_tokens: int):
+    """A long greedy request, once the scheduler runs it (or it already ended: nothing waits forever)."""
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    running = pool.submit(engine.generate, input_ids=PROMPT, sampling_params=sampling)
+    deadline = time.monotonic() + 60
+    while engine.get_stats()["running"] == 0 and not running.done():
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.005)
+    return running
+
+
 def greedy(engine: Engine, prompt: list[int] = PROMPT) -> dict:
     return engine.generate(input_ids=prompt, sampling_params=GREEDY)
 
@@ -85,11 +96,8 @@ def test_update_from_disk_and_a_running_request_across_an_update(engine, tiny_mo
     saved.save_pretrained(tmp_path / "round2")
     # A request decoding while the weights change: it finishes (its own K/V kept), and nothing it cached is
     # matched by the prompt after the update.
-    long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(engine.generate, input_ids=PROMPT, sampling_params=long)
-        while engine.get_stats()["running"] == 0:
-            time.sleep(0.01)
+        running = submit_running(pool, engine, 200)
         success, message = engine.update_weights_from_disk(str(tmp_path / "round2"), weight_version="round-2")
         assert success, message
         assert len(running.result()["output_ids"]) == 200
@@ -162,11 +170,8 @@ def test_bad_disk_updates_and_fields(engine, tiny_model_dirs, tmp_path):
 
 
 def test_pause_abort_returns_partial_output_and_requests_queue_until_continue(engine):
-    long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(2) as pool:
-        running = pool.submit(engine.generate, input_ids=PROMPT, sampling_params=long)
-        while engine.get_stats()["running"] == 0:
-            time.sleep(0.01)
+        running = submit_running(pool, engine, 400)
         assert engine.pause_generation("abort")[0]
         aborted = running.result(timeout=30)
         assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
@@ -184,10 +189,7 @@ def test_pause_retract_frees_kv_and_in_place_refuses_a_flush(engine):
     assert engine.flush_cache()
     for mode in ("retract", "in_place"):
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(engine.generate, input_ids=PROMPT,
-                                  sampling_params={**GREEDY, "max_new_tokens": 60})
-            while engine.get_stats()["running"] == 0:
-                time.sleep(0.005)
+            running = submit_running(pool, engine, 60)
             assert engine.pause_generation(mode)[0]
             stats = engine.get_stats()
             success, message = engine.flush_cache_result()
@@ -211,10 +213,7 @@ def test_release_and_resume_give_memory_back_and_serve_the_same(engine):
     kv_bytes = 2 * 2 * (BIG_POOL + 1) * 2 * 16 * 4  # k and v, 2 layers, 2 KV heads of 16, float32
     weight_bytes = checkpoint_bytes(engine.model_path)
     with ThreadPoolExecutor(1) as pool:  # refused while a request holds K/V
-        running = pool.submit(engine.generate, input_ids=PROMPT,
-                              sampling_params={**GREEDY, "max_new_tokens": 300})
-        while engine.get_stats()["running"] == 0:
-            time.sleep(0.005)
+        running = submit_running(pool, engine, 300)
         success, message = engine.release_memory_occupation()
         assert not success and "pause_generation" in message
         running.result()
@@ -311,11 +310,8 @@ def test_trainer_process_over_http_three_rounds_then_dies_mid_broadcast(server, 
 def test_the_overlap_loop_pauses_and_updates_between_batches(engines, tiny_model_dirs):
     """The overlap loop has a batch in flight while the scheduler reads messages: pause and update wait for it."""
     overlap, model_dir = engines[2], tiny_model_dirs["llama"]
-    long = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(overlap.generate, input_ids=PROMPT, sampling_params=long)
-        while overlap.get_stats()["running"] == 0:
-            time.sleep(0.005)
+        running = submit_running(pool, overlap, 300)
         assert overlap.pause_generation("abort")[0]
         assert running.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
     new = round_weights(model_dir, 9)

@@ -17,10 +17,13 @@ from .errors import ApiError
 REQUEST_OWN = ("data:", "http://", "https://")
 
 
-def checked_images(image_data: Any, allow_local: bool) -> Any:
-    """image_data with every string a client may send; ApiError 400 for anything else."""
+def checked_images(image_data: Any, allow_local: bool, depth: int = 0) -> Any:
+    """image_data with every string a client may send; ApiError 400 for anything else. Lists nest two deep at
+    most (a list per prompt, of its images)."""
     if isinstance(image_data, list):
-        return [checked_images(item, allow_local) for item in image_data]
+        if depth == 2:
+            raise ApiError(400, "image_data nests too deeply: an image, a list of images, or one list per prompt")
+        return [checked_images(item, allow_local, depth + 1) for item in image_data]
     if image_data is None:
         return None
     if not isinstance(image_data, str):

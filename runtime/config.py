@@ -106,6 +106,11 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     # Largest decode batch captured; None: 256 (never more than max_running_requests).
     cuda_graph_max_bs: int | None = None
+    # CPU: decode batches of up to torch_compile_max_bs requests run as one torch.compile'd graph
+    # (runtime/compiled_decode.py), compiled at start-up: 30-40 s on 2 cores the first time, ~12 s once inductor's
+    # disk cache holds it. Off: steps run eagerly. Not under tensor parallelism nor with sliding-window layers.
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     # Seed of the scheduler's sampling generator (requests may carry their own sampling_seed).
     random_seed: int = 0
     # torch threads in the scheduler process (and in each tensor-parallel rank); defaults to every core, shared
@@ -172,6 +177,8 @@ class EngineArgs:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError(f"torch_compile_max_bs must be >= 1, got {self.torch_compile_max_bs}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.max_prefill_tokens < 1:

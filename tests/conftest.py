@@ -141,6 +141,12 @@ def engine_starting(model_path: str, **engine_args) -> Iterator[Callable[[], Eng
             starting.result().shutdown()
 
 
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """Conversions of the test's GGUF go to a temporary cache, not the user's."""
+    monkeypatch.setenv("FURCATE_CACHE", str(tmp_path))
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dirs):
     """A live `furcate serve` on the tiny llama model, on a free loopback port (no API key)."""

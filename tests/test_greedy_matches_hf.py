@@ -32,12 +32,12 @@ def test_batch_and_staggered_greedy_equal_hf(arch, tiny_model_dirs, hf_reference
         engine = started()
         together = engine.generate(prompts, params)
         assert [r["output_ids"] for r in together] == expected
-        staggered = asyncio.run(_staggered(engine, prompts, params))
+        staggered = asyncio.run(generate_staggered(engine, prompts, params))
         assert [r["output_ids"] for r in staggered] == expected
         assert_pool_free(engine)
 
 
-async def _staggered(engine: Engine, prompts: list[str], params: list[dict]) -> list[dict]:
+async def generate_staggered(engine: Engine, prompts: list[str], params: list[dict]) -> list[dict]:
     async def one(i: int) -> dict:
         await asyncio.sleep(0.03 * i)
         return await engine.async_generate(prompts[i], params[i])

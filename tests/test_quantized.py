@@ -26,11 +26,6 @@ def tiny_gguf(tmp_path_factory):
     return build_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", find_default_gguf())
 
 
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    """Conversions of the test's GGUF go to a temporary cache, not the user's."""
-    monkeypatch.setenv("FURCATE_CACHE", str(tmp_path))
-
 
 def test_blocks_dequantize_as_gguf_does(tiny_gguf):
     blocks = gguf_block_weights(tiny_gguf)

@@ -99,8 +99,12 @@ class DecoderForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         attn.begin_forward(batch)
-        x = self.embed(batch)
-        cos, sin = self.model.rotary(batch.positions, x.dtype)
+        return self.hidden(self.embed(batch), batch.positions, attn)
+
+    def hidden(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Final hidden states of embedded tokens x at `positions`: the layers, then the last norm (what a
+        compiled decode step traces, runtime/compiled_decode.py)."""
+        cos, sin = self.model.rotary(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)

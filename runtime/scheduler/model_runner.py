@@ -18,6 +18,7 @@ from safetensors import safe_open
 from ..attention.base import ForwardBatch, ModelAttention
 from ..attention.select import make_attention_backend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from ..compiled_decode import CompiledDecode, DecodePlan, compilable, plan_decode
 from ..config import EngineArgs
 from ..cuda_graph import capture_batch_sizes
 from ..cuda_graph_runner import CudaGraphRunner, supports_cuda_graphs
@@ -113,6 +114,7 @@ class ModelRunner:
                                                    model_attention(self.model, self.dtype))
         self.images = self._image_embedder(model_path, args)
         self.graphs = self._capture_graphs(args)
+        self.compiled = self._compiled_decode(args)
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
         self.forward_calls = 0
@@ -130,6 +132,18 @@ class ModelRunner:
                                else f"attention backend {type(self.attn_backend).__name__} cannot be captured")
             return None
         return CudaGraphRunner(self.model, self.attn_backend, sizes, self.req_pool, self.kv_pool, args.device)
+
+    def _compiled_decode(self, args: EngineArgs) -> CompiledDecode | None:
+        """The compiled CPU decode step when enable_torch_compile asks for it and the model allows it."""
+        if not args.enable_torch_compile:
+            return None
+        why_not = ("the device is not a CPU (CUDA graphs capture decode there)" if args.device != "cpu" else
+                   "tensor parallelism" if self.tp.size > 1 else compilable(self.model))
+        if why_not:
+            logger.warning("enable_torch_compile: decode runs eagerly: %s", why_not)
+            return None
+        max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
+        return CompiledDecode(self.model, self.kv_pool, max_bs, max(self.quantized.max_rows, 0))
 
     def _image_embedder(self, model_path: str, args: EngineArgs) -> ImageEmbedder | None:
         """A vision-language model's image encoder, on this (the only) rank."""
@@ -160,6 +174,9 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduleBatch) -> None:
         """Everything of a forward that reads scheduler state; runs on the scheduler thread."""
+        if self.compiled is not None and self.compiled.can_run(batch.forward):
+            batch.forward.attn_metadata = plan_decode(batch.forward)
+            return
         if self.graphs is not None:  # padding rows come last: the batch's logit rows stay where they were
             batch.forward = self.graphs.pad(batch.forward)
             if self.graphs.can_replay(batch.forward):
@@ -195,6 +212,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_replay(forward):
             logits = self.graphs.replay(forward)[rows]
             self.graph_calls += 1
+        elif self.compiled is not None and isinstance(forward.attn_metadata, DecodePlan):
+            logits = self.compiled.run(forward)[rows]
         else:
             logits = self.run_forward(forward, rows)
         self.forward_seconds += time.perf_counter() - started

@@ -78,6 +78,7 @@ class SchedulerRpc:
             "forward_seconds": runner.forward_seconds,
             "forward_calls": runner.forward_calls,
             "graph_forward_calls": runner.graph_calls,
+            "compiled_forward_calls": 0 if runner.compiled is None else runner.compiled.calls,
             "kv_available": runner.kv_pool.available_size(),
             "max_total_tokens": runner.max_total_tokens,
             "evictable_tokens": s.cache.evictable_size(),

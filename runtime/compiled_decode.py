@@ -1,0 +1,136 @@
+"""Decode steps on the CPU as one torch.compile'd graph: embedding, every layer with its attention, logits.
+
+An eager decode step of a small batch is ~1,800 small ops; on a CPU, Python dispatching them costs as much as the
+matmuls (SmolLM2-135M at batch 1: ~8 ms of a 24 ms step outside any op, ~6 ms more in elementwise ops the
+compiler fuses). Inductor turns the step into a handful of fused C++ loops around the matmul and attention calls.
+
+Shapes: the batch size and the longest context are dynamic, so three graphs cover every decode batch: batch 1
+(torch specialises size 1), batches of 2 up to the quantized kernels' row limit, and bigger ones (the model picks
+dense or quantized matmuls by row count, which a graph fixes). All three compile at start-up (warm_up), the long
+part of which inductor caches on disk for the next start; a batch no graph fits (it would recompile) runs the
+same code eagerly, never a compile in the middle of serving.
+
+Attention reads the KV pool through a padded [B, L] slot table, as torch_native does, but in-graph: the K/V write,
+the gather and SDPA (unmasked at batch 1, where every key is the request's own). Lower-precision intermediates are
+rounded where eager rounds them (emulate_precision_casts): the default model's quantized bfloat16 step at batch 1
+gives eager's logits bit for bit; a dense one-row matmul, which inductor sums in its own order, differs by rounding
+noise, as float32 reductions do in their last bits (greedy output equals HF's in float32: the tests check it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention.base import ForwardBatch
+from .cache.memory_pool import TokenToKVPool
+from .cuda_graph_runner import one_token_each
+
+logger = logging.getLogger("furcate.compiled_decode")
+
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
+
+@dataclass
+class DecodePlan:
+    """What a compiled step reads of a decode batch's requests: KV slots padded to the longest (padding at slot 0,
+    never handed out) and, above batch 1, which slots are real."""
+
+    kv_index: torch.Tensor  # [B, L]
+    key_valid: torch.Tensor | None  # [B, 1, 1, L] bool; None at batch 1
+
+
+def plan_decode(forward: ForwardBatch) -> DecodePlan:
+    """Reads the request table: on the scheduler thread (prepare), as the eager backends plan."""
+    seq_lens = forward.seq_lens
+    longest = int(seq_lens.max())
+    table = forward.req_to_token_pool.req_to_token[forward.req_pool_indices, :longest]
+    if forward.batch_size == 1:
+        return DecodePlan(table.clone(), None)
+    valid = torch.arange(longest)[None, :] < seq_lens[:, None]
+    return DecodePlan(torch.where(valid, table, torch.zeros_like(table)), valid[:, None, None, :])
+
+
+class PoolDecodeAttention:
+    """The attention backend a compiled step traces: writes each layer's new K/V, gathers the planned slots,
+    attends with SDPA. Queries are grouped under their KV head (one query per request), as torch_native does."""
+
+    def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor], out_cache_loc: torch.Tensor,
+                 plan: DecodePlan) -> None:
+        self.k_buffers, self.v_buffers, self.out_cache_loc, self.plan = k_buffers, v_buffers, out_cache_loc, plan
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
+                sliding_window: int | None) -> torch.Tensor:
+        k_buffer, v_buffer = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        k_buffer.index_copy_(0, self.out_cache_loc, k)
+        v_buffer.index_copy_(0, self.out_cache_loc, v)
+        bsz, length = self.plan.kv_index.shape
+        num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
+        flat = self.plan.kv_index.reshape(-1)
+        keys = k_buffer.index_select(0, flat).view(bsz, length, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_buffer.index_select(0, flat).view(bsz, length, num_kv_heads, head_dim).transpose(1, 2)
+        grouped = q.view(bsz, num_kv_heads, q.shape[1] // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.plan.key_valid, scale=scaling)
+        return out.reshape(bsz, -1)
+
+
+def compilable(model) -> str | None:
+    """Why the model's decode cannot run compiled, or None. Sliding windows would need a mask per layer."""
+    if any(layer.self_attn.sliding_window is not None for layer in model.model.layers):
+        return "its layers have sliding windows"
+    return None
+
+
+class CompiledDecode:
+    """Runs decode batches of up to max_bs requests through the compiled step; others stay on the eager path."""
+
+    def __init__(self, model, kv_pool: TokenToKVPool, max_bs: int, quantized_max_rows: int) -> None:
+        self.model, self.kv_pool, self.max_bs = model, kv_pool, max_bs
+        self.step = torch.compile(self._step, dynamic=None, options=COMPILE_OPTIONS)
+        self.calls = 0
+        self.warm_up(quantized_max_rows)
+
+    def can_run(self, forward: ForwardBatch) -> bool:
+        """A decode batch (one token per request, each after a prefix: a context of one would be a new graph)."""
+        return (forward.batch_size <= self.max_bs and one_token_each(forward)
+                and int(forward.prefix_lens.min()) > 0)
+
+    def run(self, forward: ForwardBatch) -> torch.Tensor:
+        """Logits [batch_size, vocab] (float32) of a batch can_run accepted, planned by plan_decode."""
+        self.calls += 1
+        with torch.compiler.set_stance("eager_on_recompile"), torch.inference_mode():
+            return self.step(forward.input_ids, forward.positions, forward.out_cache_loc, forward.attn_metadata,
+                             self.kv_pool.k_buffer, self.kv_pool.v_buffer)
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+              plan: DecodePlan, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> torch.Tensor:
+        attn = PoolDecodeAttention(k_buffers, v_buffers, out_cache_loc, plan)
+        hidden = self.model.hidden(self.model.model.embed_tokens(input_ids), positions, attn)
+        return self.model.lm_head(hidden).float()
+
+    def warm_up(self, quantized_max_rows: int) -> None:
+        """Compile every graph now: batch 1, batches up to the quantized row limit, and bigger ones."""
+        started = time.perf_counter()
+        sizes = sorted({bs for bs in (1, 2, quantized_max_rows + 1) if 1 <= bs <= self.max_bs})
+        for bs in sizes:
+            self._dummy_step(bs)
+        logger.info("compiled decode for batch sizes up to %d (%s graphs) in %.1f s", self.max_bs, len(sizes),
+                    time.perf_counter() - started)
+
+    def _dummy_step(self, bs: int) -> None:
+        """A decode step of bs requests over KV slot 0 (never handed out): its writes land where nothing lives.
+        Its context length is marked dynamic so the graph serves every length."""
+        plan = DecodePlan(torch.zeros(bs, 2, dtype=torch.long),
+                          None if bs == 1 else torch.ones(bs, 1, 1, 2, dtype=torch.bool))
+        per_request = [torch.zeros(bs, dtype=torch.long) for _ in range(3)]  # ids, positions, KV slots
+        torch._dynamo.mark_dynamic(plan.kv_index, 1)
+        if bs > 1:
+            torch._dynamo.mark_dynamic(plan.key_valid, 3)
+            for tensor in (plan.kv_index, plan.key_valid, *per_request):
+                torch._dynamo.mark_dynamic(tensor, 0)
+        with torch.inference_mode():
+            self.step(*per_request, plan, self.kv_pool.k_buffer, self.kv_pool.v_buffer)

@@ -1,0 +1,70 @@
+"""enable_torch_compile: decode runs as one compiled graph per batch-size class and keeps greedy output exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import EXACT, NO_GRAMMAR, assert_pool_free, engine_starting, engines_side_by_side
+from furcate import Engine
+from furcate.runtime.config import EngineArgs
+from furcate.runtime.model.default_model import find_default_gguf, prepare_user_gguf
+from test_greedy_matches_hf import generate_staggered, make_prompts
+from tiny_gguf import build_tiny_gguf
+
+COMPILED = {"enable_torch_compile": True, "torch_num_threads": 2, **NO_GRAMMAR}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_decode_greedy_equals_hf(arch, tiny_model_dirs, hf_reference, tokenizer):
+    """Batch 1 and mixed-length batches (the two graphs), requests joining and leaving: HF's tokens (float32)."""
+    prompts = make_prompts(8, seed=11)
+    lengths = [5 + 4 * i for i in range(len(prompts))]
+    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in lengths]
+    with engine_starting(str(tiny_model_dirs[arch]), **EXACT, **COMPILED, max_total_tokens=1500,
+                         max_running_requests=4) as started:
+        hf = hf_reference(arch)
+        expected = [hf.greedy(tokenizer.encode(p), n) for p, n in zip(prompts, lengths)]
+        engine = started()
+        alone = engine.generate(prompts[0], params[0])
+        assert alone["output_ids"] == expected[0]
+        assert engine.get_stats()["compiled_forward_calls"] >= lengths[0] - 1  # all but the prefill's token
+        together = engine.generate(prompts, params)
+        assert [r["output_ids"] for r in together] == expected
+        staggered = asyncio.run(generate_staggered(engine, prompts, params))
+        assert [r["output_ids"] for r in staggered] == expected
+        assert_pool_free(engine)
+
+
+def test_compiled_bfloat16_decode_stays_with_eager(tmp_path, private_cache):
+    """bfloat16 with the GGUF kernels and one dense layer per block: intermediates round where eager rounds them,
+    but inductor sums a one-row dense matmul in its own order, so logprobs agree to bfloat16 noise."""
+    gguf = str(build_tiny_gguf(tmp_path / "tiny-llama.gguf", find_default_gguf()))
+    prepare_user_gguf(gguf)
+    common = {"dtype": "bfloat16", "quantization": "gguf", "max_total_tokens": 2000, "torch_num_threads": 2,
+              **NO_GRAMMAR}
+    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    with engines_side_by_side((gguf, common), (gguf, {**common, "enable_torch_compile": True})) as engines:
+        outputs = [e.generate(input_ids=list(range(200, 240)), sampling_params=params, return_logprob=True)
+                   for e in engines]
+        assert engines[1].get_stats()["compiled_forward_calls"] >= 23
+        assert engines[0].get_stats()["compiled_forward_calls"] == 0
+    ids = [o["output_ids"] for o in outputs]
+    assert ids[0][:8] == ids[1][:8]
+    same = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), len(ids[0]))
+    logprobs = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"][:same]] for o in outputs]
+    assert max(abs(a - b) for a, b in zip(*logprobs)) < 0.15
+
+
+def test_sliding_window_models_decode_eagerly(tiny_model_dirs, hf_reference, tokenizer):
+    ids = tokenizer.encode("old machines sang over the river and when the hills")
+    with Engine(str(tiny_model_dirs["mistral"]), **EXACT, **COMPILED, max_total_tokens=600) as engine:
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 30, "temperature": 0})
+        assert engine.get_stats()["compiled_forward_calls"] == 0
+    assert out["output_ids"] == hf_reference("mistral").greedy(ids, 30)
+
+
+def test_torch_compile_max_bs_must_be_positive():
+    with pytest.raises(ValueError, match="torch_compile_max_bs must be >= 1"):
+        EngineArgs(torch_compile_max_bs=0)

@@ -6,13 +6,15 @@ Each (system, precision) runs in its own process, one after another, through thr
   decode_b1      one ~120-token prompt, decode tokens/s at batch 1 (time of 129 tokens minus time of 1)
   shared_prefix  4 groups x 8 prompts, a 512-token system prompt per group, 32-token questions, 32 tokens out
 
-Precision pairs: float32 (llama.cpp: an F32 GGUF), bfloat16 (a BF16 GGUF) and quantized (furcate's defaults on
-the model's Q4 GGUF: int4 kernels for small batches; llama.cpp: that same file). The float GGUFs are the Q4
-GGUF's weights dequantized, so every system holds the same numbers. llama.cpp runs batched on its low-level API
-(peer_llama_cpp.py) and shares each group's system prompt through its KV cells; vLLM (peer_vllm.py, run with
-its own venv's interpreter) gets the prompts as token ids with prefix caching on and otherwise its defaults; HF
-runs static left-padded batches of 16 without prefix sharing. vLLM and HF load furcate's HF-directory conversion
-of the GGUF, in float32 and bfloat16 only: neither has kernels for GGUF Q4_0/Q4_1 blocks.
+furcate runs twice: with its defaults, and as furcate-compiled with enable_torch_compile (decode as one compiled
+graph; its start-up, compile included, is in the report). Precision pairs: float32 (llama.cpp: an F32 GGUF),
+bfloat16 (a BF16 GGUF) and quantized (furcate's defaults on the model's Q4 GGUF: int4 kernels for small batches;
+llama.cpp: that same file). The float GGUFs are the Q4 GGUF's weights dequantized, so every system holds the same
+numbers. llama.cpp runs batched on its low-level API (peer_llama_cpp.py) and shares each group's system prompt
+through its KV cells; vLLM (peer_vllm.py, run with its own venv's interpreter) gets the prompts as token ids with
+prefix caching on and otherwise its defaults; HF runs static left-padded batches of 16 without prefix sharing.
+vLLM and HF load furcate's HF-directory conversion of the GGUF, in float32 and bfloat16 only: neither has kernels
+for GGUF Q4_0/Q4_1 blocks.
 
 Models (--model-shape): 135m, the embedded SmolLM2-135M-Instruct (Q4_1); 1b, a Llama-3.2-1B-shaped model with
 random weights built once into the bench cache (peer_models.py; Q4_0, or Q4_1 with --quant-type), reported in
@@ -21,7 +23,7 @@ processes took during each timing, a memory bandwidth probe, and for decode_b1 t
 system reached reading its weights once per token. --quick shrinks every workload to a smoke test.
 
     python -m benchmarks.peers [--model-shape 135m|1b] [--threads 2] [--precisions float32,bfloat16,quantized]
-                               [--systems furcate,llama.cpp,vllm,hf] [--vllm-python PATH] [--quick]
+                               [--systems furcate,furcate-compiled,llama.cpp,vllm,hf] [--vllm-python PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import sys
 import time
 
 from .peers_report import (
+    COMPILED,
     MAX_TOKENS,
     SYSTEMS,
     aims,
@@ -102,10 +105,13 @@ def furcate_worker(spec: dict, workloads: dict) -> dict:
     from furcate import Engine
 
     threads, sizes, results = spec["threads"], spec["sizes"], {}
+    extra = {**spec["furcate_args"], **({"enable_torch_compile": True} if spec["system"] == COMPILED else {})}
+    started = time.perf_counter()
     with Engine(spec["furcate_model"], torch_num_threads=threads, max_total_tokens=MAX_TOKENS,
-                max_running_requests=64, **PRECISIONS[spec["precision"]]["furcate"], **spec["furcate_args"]) as engine:
+                max_running_requests=64, **PRECISIONS[spec["precision"]]["furcate"], **extra) as engine:
         results["engine"] = {"dtype": engine.info.dtype, "quantized_layers": engine.info.quantized_layers,
-                             "quantized_max_rows": engine.info.quantized_max_rows, **spec["furcate_args"]}
+                             "quantized_max_rows": engine.info.quantized_max_rows,
+                             "start_seconds": round(time.perf_counter() - started, 1), **extra}
 
         def run(prompts: list[list[int]], n: int) -> list[list[int]]:
             params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
@@ -206,7 +212,7 @@ def group_order(prompts: list[list[int]], length: int) -> tuple[list[int], list[
     return order, [length] * len(order)
 
 
-WORKERS = {"furcate": furcate_worker, "llama.cpp": llama_worker, "hf": hf_worker}
+WORKERS = {"furcate": furcate_worker, COMPILED: furcate_worker, "llama.cpp": llama_worker, "hf": hf_worker}
 
 
 def worker_main(spec: dict) -> None:

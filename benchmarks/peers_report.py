@@ -7,7 +7,9 @@ import json
 import pathlib
 import time
 
-SYSTEMS = ("furcate", "llama.cpp", "vllm", "hf")
+COMPILED = "furcate-compiled"  # furcate with enable_torch_compile
+SYSTEMS = ("furcate", COMPILED, "llama.cpp", "vllm", "hf")
+OURS = ("furcate", COMPILED)
 WORKLOADS = ("offline", "decode_b1", "shared_prefix")
 PRECISION_NAMES = ("float32", "bfloat16", "quantized")
 MAX_TOKENS = 24576  # KV capacity every system gets (furcate pool tokens, llama.cpp n_ctx, vLLM KV bytes)
@@ -43,10 +45,10 @@ def step_bytes(models: dict) -> dict[str, dict[str, float]]:
             quantized += n * 2
     llama = {p: sum(b for *_, b in gguf_facts(models["ggufs"][p])["tensors"]) for p in ("F32", "BF16", "source")}
     table = {"float32": 4 * params, "bfloat16": 2 * params}
-    out = {p: {s: table[p] for s in ("furcate", "vllm", "hf")} for p in table}
+    out = {p: {s: table[p] for s in (*OURS, "vllm", "hf")} for p in table}
     for precision, gguf in (("float32", "F32"), ("bfloat16", "BF16")):
         out[precision]["llama.cpp"] = llama[gguf]
-    out["quantized"] = {"furcate": quantized, "llama.cpp": llama["source"]}
+    out["quantized"] = {"furcate": quantized, COMPILED: quantized, "llama.cpp": llama["source"]}
     return out
 
 
@@ -99,16 +101,18 @@ def compare(results: dict) -> dict:
     run shows its status."""
     table = {}
     for precision, systems in results.items():
-        ours = systems.get("furcate") if measured(systems.get("furcate")) else None
         for workload in WORKLOADS:
             row: dict = {}
             for name, result in systems.items():
                 row[name] = result[workload]["output_tok_s"] if measured(result) else result["status"]
-            for peer in ("llama.cpp", "vllm", "hf"):
-                if ours and measured(systems.get(peer)):
-                    theirs = systems[peer][workload]
-                    row[f"furcate/{peer}"] = ours[workload]["output_tok_s"] / theirs["output_tok_s"]
-                    row[f"agreement_{peer}"] = agreement(ours[workload]["outputs"], theirs["outputs"])
+            for us in (name for name in OURS if measured(systems.get(name))):
+                ours = systems[us][workload]
+                for peer in ("llama.cpp", "vllm", "hf"):
+                    if measured(systems.get(peer)):
+                        theirs = systems[peer][workload]
+                        row[f"{us}/{peer}"] = ours["output_tok_s"] / theirs["output_tok_s"]
+                        row[f"agreement_{peer}" + ("" if us == "furcate" else f"_{us}")] = agreement(
+                            ours["outputs"], theirs["outputs"])
             row["max_foreign_cpu_s"] = max((r[workload]["foreign_cpu_seconds"] for r in systems.values()
                                             if measured(r)), default=None)
             table[f"{precision}/{workload}"] = row
@@ -141,7 +145,9 @@ def aims(table: dict) -> dict:
               ("batch-1 decode >= 1.0x llama.cpp", "decode_b1", "llama.cpp", 1.0, every),
               (">= 3x HF generate (offline)", "offline", "hf", 3.0, floats)]
     return {f"{aim} (same precision)": {"target": target,
-                                        "values": {p: get(f"{p}/{workload}", f"furcate/{peer}") for p in precisions}}
+                                        "values": {p: get(f"{p}/{workload}", f"furcate/{peer}") for p in precisions},
+                                        "compiled": {p: get(f"{p}/{workload}", f"{COMPILED}/{peer}")
+                                                     for p in precisions}}
             for aim, workload, peer, target, precisions in wanted}
 
 
@@ -159,23 +165,26 @@ def markdown(report: dict) -> str:
         lines += [f"furcate ran with {json.dumps(report['furcate_args'])} beside its defaults.", ""]
     if report["quick"]:
         lines += ["**Quick smoke-test sizes: these numbers measure nothing.**", ""]
-    lines += ["| precision / workload | furcate tok/s | llama.cpp tok/s | vLLM tok/s | HF tok/s | furcate/llama.cpp "
-              "| furcate/vLLM | furcate/HF | agreement llama.cpp | agreement vLLM | agreement HF | foreign CPU s |",
-              "|" + "---|" * 12]
+    lines += ["| precision / workload | furcate tok/s | compiled tok/s | llama.cpp tok/s | vLLM tok/s | HF tok/s "
+              "| furcate/llama.cpp | compiled/llama.cpp | furcate/vLLM | compiled/vLLM | furcate/HF "
+              "| agreement llama.cpp | agreement vLLM | agreement HF | foreign CPU s |",
+              "|" + "---|" * 15]
     for key, row in report["table"].items():
         def cell(name, fmt="{:.1f}", row=row):
             value = row.get(name)
             return fmt.format(value) if isinstance(value, float) else (value or "-")
-        lines.append(f"| {key} | {cell('furcate')} | {cell('llama.cpp')} | {cell('vllm')} | {cell('hf')} | "
-                     f"{cell('furcate/llama.cpp', '{:.2f}x')} | {cell('furcate/vllm', '{:.2f}x')} | "
-                     f"{cell('furcate/hf', '{:.2f}x')} | {cell('agreement_llama.cpp', '{:.2f}')} | "
-                     f"{cell('agreement_vllm', '{:.2f}')} | {cell('agreement_hf', '{:.2f}')} | "
-                     f"{cell('max_foreign_cpu_s')} |")
-    lines += ["", "## Aims", ""]
+        ratio = "{:.2f}x"
+        lines.append(f"| {key} | {cell('furcate')} | {cell(COMPILED)} | {cell('llama.cpp')} | {cell('vllm')} | "
+                     f"{cell('hf')} | {cell('furcate/llama.cpp', ratio)} | {cell(f'{COMPILED}/llama.cpp', ratio)} | "
+                     f"{cell('furcate/vllm', ratio)} | {cell(f'{COMPILED}/vllm', ratio)} | {cell('furcate/hf', ratio)} "
+                     f"| {cell('agreement_llama.cpp', '{:.2f}')} | {cell('agreement_vllm', '{:.2f}')} | "
+                     f"{cell('agreement_hf', '{:.2f}')} | {cell('max_foreign_cpu_s')} |")
+    lines += ["", "## Aims (furcate's defaults; with enable_torch_compile)", ""]
     for aim, entry in report["aims"].items():
-        shown = ", ".join(f"{p} {v:.2f}x {'met' if v >= entry['target'] else 'missed'}" if v is not None
-                          else f"{p} -" for p, v in entry["values"].items())
-        lines.append(f"- {aim}: {shown}")
+        def shown(values: dict, target: float = entry["target"]) -> str:
+            return ", ".join(f"{p} {v:.2f}x {'met' if v >= target else 'missed'}" if v is not None else f"{p} -"
+                             for p, v in values.items())
+        lines.append(f"- {aim}: {shown(entry['values'])}; compiled: {shown(entry.get('compiled', {}))}")
     lines += ["", "## Batch-1 decode against memory bandwidth", "",
               "Weight bytes a step reads (the embedding table only where it is the tied LM head) x tokens/s, over "
               "the measured read bandwidth.", "",

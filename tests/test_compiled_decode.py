@@ -68,3 +68,15 @@ def test_sliding_window_models_decode_eagerly(tiny_model_dirs, hf_reference, tok
 def test_torch_compile_max_bs_must_be_positive():
     with pytest.raises(ValueError, match="torch_compile_max_bs must be >= 1"):
         EngineArgs(torch_compile_max_bs=0)
+
+
+def test_a_failed_compile_leaves_decode_eager(tiny_model_dirs, hf_reference, tokenizer, tmp_path, monkeypatch):
+    """No working C++ compiler for inductor (a fresh cache, so nothing compiled before is reused): the engine
+    starts and serves, eagerly."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    ids = tokenizer.encode("the river of stone light")
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, **COMPILED, max_total_tokens=600) as engine:
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0})
+        assert engine.get_stats()["compiled_forward_calls"] == 0
+    assert out["output_ids"] == hf_reference("llama").greedy(ids, 12)

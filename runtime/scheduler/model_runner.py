@@ -143,7 +143,12 @@ class ModelRunner:
             logger.warning("enable_torch_compile: decode runs eagerly: %s", why_not)
             return None
         max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
-        return CompiledDecode(self.model, self.kv_pool, max_bs, max(self.quantized.max_rows, 0))
+        try:
+            return CompiledDecode(self.model, self.kv_pool, max_bs, max(self.quantized.max_rows, 0))
+        except Exception as error:  # noqa: BLE001 - e.g. no C++ compiler for inductor: serve eagerly, say why
+            logger.warning("enable_torch_compile: decode runs eagerly: compiling it failed: %s: %s",
+                           type(error).__name__, error)
+            return None
 
     def _image_embedder(self, model_path: str, args: EngineArgs) -> ImageEmbedder | None:
         """A vision-language model's image encoder, on this (the only) rank."""

@@ -64,6 +64,10 @@ class LlamaCppBatched:
         self.lc = lc
         lc.llama_backend_init()
         model_params = lc.llama_model_default_params()
+        # On AMX CPUs llama.cpp (0.3.36) repacks quantized weights for its AMX kernels, whose matmul segfaults on
+        # any batch of more than one token; its plain CPU kernels run instead.
+        self.extra_bufts = "amx_tile" not in pathlib.Path("/proc/cpuinfo").read_text()
+        model_params.use_extra_bufts = self.extra_bufts
         self.model = lc.llama_model_load_from_file(gguf.encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")

@@ -137,7 +137,7 @@ def llama_worker(spec: dict, workloads: dict) -> dict:
     sizes = spec["sizes"]
     n_seq = max(sizes["offline"]["num_prompts"], sizes["shared_prefix"]["groups"] * sizes["shared_prefix"]["per_group"])
     runner = LlamaCppBatched(spec["gguf"], spec["threads"], MAX_TOKENS, n_seq=n_seq)
-    results = {"engine": {"gguf": pathlib.Path(spec["gguf"]).name}}
+    results = {"engine": {"gguf": pathlib.Path(spec["gguf"]).name, "use_extra_bufts": runner.extra_bufts}}
     try:
         runner.generate(workloads["offline"][:2], 4)
         n = sizes["offline"]["output_len"]

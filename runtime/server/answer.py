@@ -83,7 +83,7 @@ class Answer:
     def __init__(self, engine: Engine, plan: AnswerPlan, stream: bool, seed_offset: int = 0) -> None:
         self.engine, self.plan, self.stream = engine, plan, stream
         self.ids = list(plan.prompt_ids)
-        self.first_ids = self.ids
+        self.requests = 0
         self.remaining = plan.limit
         self.result = AnswerResult()
         self.sampling = dict(plan.sampling, n=1)
@@ -301,8 +301,9 @@ class Answer:
             self.last = await self.engine.async_generate(input_ids=self.ids, sampling_params=sampling)
             yield self.last["text"]
         meta = self.last["meta_info"]
-        if self.ids is self.first_ids:  # the prompt's own cache hits; later parts hit what earlier ones wrote
+        if not self.requests:  # the prompt's own cache hits; later parts hit what earlier ones wrote
             self.result.cached_tokens = meta["cached_tokens"]
+        self.requests += 1
         self.result.completion_tokens += meta["completion_tokens"]
         self.remaining -= meta["completion_tokens"]
 

@@ -41,7 +41,9 @@ def render_chat(engine: Engine, req: ChatCompletionRequest, tools: list[ToolFunc
     elif tools:
         messages = _with_tools_message(messages, tools)
     try:
-        return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        prompt.encode("utf-8")  # a lone surrogate (JSON allows "\ud800") would reach the tokenizer as a TypeError
+        return prompt
     except UnicodeEncodeError as error:
         raise ApiError(400, f"a message is not valid text: {error.reason}") from None
     except Exception as error:  # noqa: BLE001 - the template's Jinja raises what it likes on orders it refuses

@@ -69,9 +69,9 @@ def _split(fmt: ReasoningFormat, text: str, begins: bool | None, final: bool) ->
     body = text.lstrip()
     if body.startswith(fmt.start):
         body = body[len(fmt.start):]
+    elif not final and fmt.start.startswith(body):
+        return "", "", False  # `<thi`: maybe the block's start tag, which a model inside its block may write too
     elif begins is None:
-        if not final and fmt.start.startswith(body):
-            return "", "", False  # `<thi`: maybe the start of a block
         return None, text, True
     if fmt.end not in body:
         return body if final else body[:len(body) - _partial_tag(body, fmt.end)], "", False

@@ -190,6 +190,12 @@ BAD = [
     ({"tools": TOOLS, "response_format": {"type": "json_object"}, "tool_choice": "required"}, "combined"),
     ({"tools": TOOLS, "tool_choice": "required", "logprobs": True}, "logprobs"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}},
+        "required": ["ids"]}}}], "tool_choice": "required"},
+     "allow_approximate_schema"),
+    ({"tools": TOOLS, "tool_choice": ["required"]}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}], "tools": TOOLS}, "only assistant"),
 ]
 
 
@@ -197,9 +203,13 @@ BAD = [
 def test_bad_tool_requests_are_400(servers, extra, match):
     server, _ = servers["qwen2.5"]
     response = requests.post(f"{server.url}/v1/chat/completions",
-                             json={"messages": MESSAGES, "max_tokens": 4, **extra}, timeout=60)
+                             json={"messages": MESSAGES, "max_tokens": 40, **extra}, timeout=60)
     assert response.status_code == 400, response.text
     assert match in response.json()["error"]["message"]
+    if "tool_choice" in extra and "tools" in extra:  # streamed, the refusal still comes before the stream opens
+        streamed = requests.post(f"{server.url}/v1/chat/completions", timeout=60,
+                                 json={"messages": MESSAGES, "max_tokens": 40, "stream": True, **extra})
+        assert streamed.status_code == 400 and match in streamed.json()["error"]["message"]
 
 
 def test_hostile_history_and_schemas(servers):

@@ -84,7 +84,12 @@ def message(result: AnswerResult, reasoning: bool) -> dict[str, Any]:
 
 async def complete(engine: Engine, plan: AnswerPlan, n: int) -> list[AnswerResult]:
     answers = [Answer(engine, plan, False, sample) for sample in range(n)]
-    await asyncio.gather(*(_drain(answer) for answer in answers))
+    try:
+        async with asyncio.TaskGroup() as group:  # one answer failing cancels the others' requests
+            for answer in answers:
+                group.create_task(_drain(answer))
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
     return [answer.result for answer in answers]
 
 

@@ -38,7 +38,8 @@ def agent(client: openai.OpenAI, question: str, max_steps: int = 3) -> str:
     messages: list[dict] = [{"role": "system", "content": "Use the tools to answer."},
                             {"role": "user", "content": question}]
     for step in range(max_steps):
-        tools = {"tools": TOOLS, "tool_choice": "required"} if step == 0 else {}
+        # One call per turn: a 135M model asked for calls tends to go on making them.
+        tools = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False} if step == 0 else {}
         reply = client.chat.completions.create(model="default", messages=messages, max_tokens=64, temperature=0,
                                                **tools).choices[0]
         messages.append(reply.message.model_dump(exclude_none=True))

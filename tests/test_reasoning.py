@@ -11,9 +11,10 @@ import openai
 import pytest
 
 import furcate as sgl
+from app_thread import AppOnThread
 from conftest import TINY_POOL_TOKENS, assert_server_pool_free
+from furcate import Engine
 from furcate.runtime.reasoning import FORMATS, ReasoningStream, detect, split
-from furcate.runtime.server.server_process import ServerProcess
 from tiny_models import TEMPLATES, build_tiny_chat_model
 
 SCHEMA = {"type": "object", "properties": {"sunny": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
@@ -26,11 +27,12 @@ THINK = {"max_reasoning_tokens": 6}  # the random model never closes its block i
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, default_model_dir):
     model_dir = build_tiny_chat_model("qwen3", tmp_path_factory.mktemp("qwen3") / "qwen3", default_model_dir)
-    with ServerProcess(str(model_dir), {"max_total_tokens": TINY_POOL_TOKENS, "torch_num_threads": 2,
-                                        "dtype": "float32"}) as server:
+    with Engine(str(model_dir), max_total_tokens=TINY_POOL_TOKENS, torch_num_threads=2, dtype="float32") as engine:
+        server = AppOnThread(engine)
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
             yield client
         assert_server_pool_free(server.url)
+        server.stop()
 
 
 def create(client, **kwargs):

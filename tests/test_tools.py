@@ -6,9 +6,7 @@ reasons are OpenAI's."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -16,12 +14,11 @@ import jsonschema
 import openai
 import pytest
 import requests
-from aiohttp import web
 from transformers import AutoTokenizer
 
+from app_thread import AppOnThread
 from conftest import TINY_POOL_TOKENS, assert_server_pool_free
-from furcate.runtime.config import ServerArgs
-from furcate.runtime.server.app import create_app
+from furcate import Engine
 from furcate.runtime.server.server_process import ServerProcess
 from tiny_models import build_tiny_chat_model
 
@@ -41,14 +38,20 @@ ENGINE_ARGS = {"max_total_tokens": TINY_POOL_TOKENS, "torch_num_threads": 1, "dt
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, default_model_dir):
+    """qwen2.5 as `furcate serve` (the agent framework's loop runs against the real command); the other families as
+    the same app over an engine in this process (one interpreter less to start per family)."""
     root = tmp_path_factory.mktemp("chat")
     dirs = {family: build_tiny_chat_model(family, root / family, default_model_dir) for family in FAMILIES}
     with ThreadPoolExecutor(len(FAMILIES)) as pool:
-        started = dict(zip(FAMILIES, pool.map(lambda f: ServerProcess(str(dirs[f]), ENGINE_ARGS), FAMILIES)))
+        command = pool.submit(ServerProcess, str(dirs["qwen2.5"]), ENGINE_ARGS)
+        engines = dict(zip(FAMILIES[1:], pool.map(lambda f: Engine(str(dirs[f]), **ENGINE_ARGS), FAMILIES[1:])))
+        started = {"qwen2.5": command.result(), **{f: AppOnThread(e) for f, e in engines.items()}}
     yield {family: (server, AutoTokenizer.from_pretrained(dirs[family])) for family, server in started.items()}
     for server in started.values():
         assert_server_pool_free(server.url)
         server.stop()
+    for engine in engines.values():
+        engine.shutdown()
 
 
 def client_of(server) -> openai.OpenAI:
@@ -261,36 +264,12 @@ def test_langchain_two_step_tool_loop(servers):
     assert not answer.tool_calls and answer.content
 
 
-class AppOnThread:
-    """The server's aiohttp app over an engine this process already runs (the session's default model, which takes
-    long to start), on a loopback port, on its own event loop thread."""
-
-    def __init__(self, engine) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="furcate-test-app")
-        self.thread.start()
-        self.runner = web.AppRunner(create_app(engine, ServerArgs(port=0)), handler_cancellation=True)
-        port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
-        self.url = f"http://127.0.0.1:{port}"
-
-    async def _start(self) -> int:
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(60)
-
-
 @pytest.fixture(scope="module")
 def default_server(default_engine):
     server = AppOnThread(default_engine)
     yield server
     assert_server_pool_free(server.url)
-    server.close()
+    server.stop()
 
 
 def test_default_model_required(default_server):

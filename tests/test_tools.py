@@ -162,6 +162,20 @@ def test_parallel_calls(servers):
     assert_valid_calls(out.message)
 
 
+def test_arguments_schema_with_refs(servers):
+    """The arguments are generated under the function's own schema, as its root: its $refs resolve as written."""
+    schema = {"$defs": {"unit": {"enum": ["C", "F"]}}, "type": "object", "additionalProperties": False,
+              "properties": {"unit": {"$ref": "#/$defs/unit"}, "at": {"type": "string", "format": "date"}},
+              "required": ["unit", "at"]}
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": schema}}]
+    server, _ = servers["qwen2.5"]
+    out = chat(server, messages=MESSAGES, tools=tools, tool_choice="required", max_tokens=60, temperature=0,
+               parallel_tool_calls=False).choices[0]
+    assert out.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(out.message.tool_calls[0].function.arguments), schema,
+                        format_checker=jsonschema.FormatChecker())
+
+
 def test_cut_short_call_says_length(servers):
     server, _ = servers["qwen2.5"]
     out = chat(server, messages=MESSAGES, tools=TOOLS, max_tokens=3, temperature=0,

@@ -74,6 +74,8 @@ def test_thinking_off_and_separation_off(client):
     free = create(client, max_tokens=8).choices[0].message
     plain = create(client, max_tokens=8, extra_body={"separate_reasoning": False}).choices[0].message
     assert free.reasoning_content is None and free.content == plain.content
+    scored = create(client, max_tokens=8, logprobs=True, extra_body={"ignore_eos": True}).choices[0]
+    assert "".join(t.token for t in scored.logprobs.content) == scored.message.content == free.content
 
 
 def test_parsers_on_known_texts():

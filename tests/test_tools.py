@@ -183,6 +183,23 @@ def test_cut_short_call_says_length(servers):
     assert out.finish_reason == "length" and out.message.tool_calls[0].function.name == "get_weather"
 
 
+def test_logprobs_of_the_generated_tokens(servers):
+    """Each generated token of every part has its logprob, in order (the stop token ending each part included, as
+    completion_tokens counts it); the text the format fixes was not generated and has none."""
+    server, _ = servers["qwen2.5"]
+    args = dict(messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0,
+                logprobs=True, top_logprobs=2)
+    out = chat(server, **args)
+    tokens = out.choices[0].logprobs.content
+    assert len(tokens) == out.usage.completion_tokens
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens)
+    call = out.choices[0].message.tool_calls[0].function
+    assert "".join(t.token for t in tokens).replace("<|im_end|>", "") == call.name + call.arguments
+    streamed = chat(server, stream=True, **args)
+    assert [t.token for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.content] == \
+        [t.token for t in tokens]
+
+
 def test_n_choices_each_call(servers):
     server, _ = servers["qwen2.5"]
     out = chat(server, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=1.0,
@@ -205,7 +222,6 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}, "tool_choice": "required"}, "combined"),
-    ({"tools": TOOLS, "tool_choice": "required", "logprobs": True}, "logprobs"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}},

@@ -5,8 +5,8 @@ one of the functions' names, its arguments follow that function's parameter sche
 the call format's own (tools/formats.py). Each of those parts is one engine request that continues the token ids of
 the parts before it, so the radix cache holds the shared prefix and each request prefills only the few tokens of
 the text appended since; each constraint goes through the grammar path unchanged (exactness, compile cache,
-allow_approximate_schema). Free text ends at a trigger: a stop token when the trigger is one token of the
-vocabulary, else a stop string (a stop regex anchored at the start for formats whose calls start the answer).
+allow_approximate_schema). Free text ends at a trigger (answer_parts.py: a stop token or a stop string, a stop
+regex anchored at the start for formats whose calls start the answer).
 
 `Answer.run()` yields `Delta`s as the parts produce text; `Answer.result` holds the whole answer afterwards.
 """
@@ -24,11 +24,9 @@ from ..reasoning import ReasoningFormat, ReasoningStream
 from ..tools.formats import CallFormat
 from ..tools.protocol import ToolCall, ToolChoice, ToolFunction, new_call_id
 from ..tools.pythonic import parse_pythonic
+from .answer_parts import PartRequests
 
 CONSTRAINTS = ("json_schema", "regex", "ebnf")
-# Free-text fields a constrained part must not carry: a stop string inside JSON would cut it, ignore_eos would
-# run on after the grammar has ended.
-FREE_ONLY = ("stop", "stop_regex", "stop_token_ids", "ignore_eos", "min_new_tokens")
 MAX_CALLS = 64
 # Appended after a think block the server closes itself (reasoning budget spent, or before a constrained answer).
 AFTER_THINKING = "\n\n"
@@ -60,6 +58,7 @@ class AnswerPlan:
     call_format: CallFormat | None = None
     pythonic: bool = False
     parallel: bool = True
+    top_logprobs: int | None = None  # None: no logprobs; else how many alternatives per token
 
     @property
     def thinks_first(self) -> bool:
@@ -68,29 +67,13 @@ class AnswerPlan:
                 and bool(self.constraint or self.choice.calls))
 
 
-@dataclass
-class AnswerResult:
-    content: str | None = None
-    reasoning: str | None = None
-    calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str = "stop"
-    matched_stop: Any = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-class Answer:
+class Answer(PartRequests):
     def __init__(self, engine: Engine, plan: AnswerPlan, stream: bool, seed_offset: int = 0) -> None:
-        self.engine, self.plan, self.stream = engine, plan, stream
-        self.ids = list(plan.prompt_ids)
-        self.requests = 0
-        self.remaining = plan.limit
-        self.result = AnswerResult()
-        self.sampling = dict(plan.sampling, n=1)
-        if "sampling_seed" in self.sampling:
-            self.sampling["sampling_seed"] += seed_offset
-        self.last: dict[str, Any] = {}
-        self.done = False  # the answer ended (self.result says how)
+        sampling = dict(plan.sampling, n=1)
+        if "sampling_seed" in sampling:
+            sampling["sampling_seed"] += seed_offset
+        super().__init__(engine, plan.prompt_ids, plan.limit, sampling, stream, plan.top_logprobs)
+        self.plan = plan
 
     # -- the parts --------------------------------------------------------------------------------------------
 
@@ -277,122 +260,3 @@ class Answer:
         if meta.get("schema_valid") is False:
             raise RuntimeError(f"the arguments generated for {name} violate its schema: "
                                f"{meta.get('schema_violation')}")
-
-    # -- engine requests and the token ids they continue ------------------------------------------------------
-
-    async def _request(self, params: dict[str, Any], limit: int | None = None) -> AsyncIterator[str]:
-        """One part: yields its cumulative text; `self.last` is its final result."""
-        budget = self.remaining if limit is None else min(limit, self.remaining)
-        if budget <= 0:  # the answer's token budget is spent: this part ends at once, at its length
-            self.last = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "length"},
-                                                                     "completion_tokens": 0, "cached_tokens": 0}}
-            yield ""
-            return
-        sampling = {**params, "max_new_tokens": budget}
-        if self.stream:
-            chunks = await self.engine.async_generate(input_ids=self.ids, sampling_params=sampling, stream=True)
-            try:
-                async for chunk in chunks:
-                    self.last = chunk
-                    yield chunk["text"]
-            finally:
-                await chunks.aclose()
-        else:
-            self.last = await self.engine.async_generate(input_ids=self.ids, sampling_params=sampling)
-            yield self.last["text"]
-        meta = self.last["meta_info"]
-        if not self.requests:  # the prompt's own cache hits; later parts hit what earlier ones wrote
-            self.result.cached_tokens = meta["cached_tokens"]
-        self.requests += 1
-        self.result.completion_tokens += meta["completion_tokens"]
-        self.remaining -= meta["completion_tokens"]
-
-    def _free_params(self) -> dict[str, Any]:
-        return dict(self.sampling)
-
-    def _constrained(self, constraint: dict[str, Any]) -> dict[str, Any]:
-        return {**{k: v for k, v in self.sampling.items() if k not in FREE_ONLY}, **constraint}
-
-    def _stop_at(self, text: str) -> dict[str, Any]:
-        """Stop when the model writes `text`: on its token when it is one token of the vocabulary."""
-        token = self._single_token(text)
-        if token is not None:
-            return {"stop_token_ids": [*self.sampling.get("stop_token_ids", []), token]}
-        return {"stop": [*_as_list(self.sampling.get("stop")), text]}
-
-    def _trigger_stop(self, fmt: CallFormat) -> dict[str, Any]:
-        if fmt.trigger_at_start:
-            return {"stop_regex": [*_as_list(self.sampling.get("stop_regex")), r"^\s*" + re.escape(fmt.trigger)]}
-        return self._stop_at(fmt.trigger)
-
-    @staticmethod
-    def _safe_content(fmt: CallFormat, text: str) -> str:
-        """The part of free text that is content for sure: none of the trigger, nor what may still become it."""
-        if fmt.trigger_at_start:
-            return "" if not text.strip() or text.lstrip().startswith(fmt.trigger) else text
-        cut = text.find(fmt.trigger)
-        if cut >= 0:
-            return text[:cut]
-        trigger = fmt.trigger
-        held = next((k for k in range(min(len(trigger) - 1, len(text)), 0, -1) if text.endswith(trigger[:k])), 0)
-        return text[:len(text) - held]
-
-    def _single_token(self, text: str) -> int | None:
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 and self.engine.tokenizer.decode(ids) == text else None
-
-    def _reason(self) -> str:
-        return self.last["meta_info"]["finish_reason"]["type"]
-
-    def _matched(self) -> Any:
-        return self.last["meta_info"]["finish_reason"].get("matched")
-
-    def _stopped_at(self, text: str) -> bool:
-        matched = self._matched()
-        return self._reason() == "stop" and (matched == text or matched == self._single_token(text))
-
-    def _triggered(self, fmt: CallFormat) -> bool:
-        if fmt.trigger_at_start:
-            matched = self._matched()
-            return isinstance(matched, str) and re.fullmatch(r"\s*" + re.escape(fmt.trigger), matched) is not None
-        return self._stopped_at(fmt.trigger)
-
-    def _text_before_stop(self) -> str:
-        """The last part's text without the stop that ended it: the engine cuts a stop string off its text; a
-        stop token's text is left out here."""
-        if self._reason() == "stop" and isinstance(self._matched(), int):
-            return self._decode(self.last["output_ids"][:-1])
-        return self.last["text"]
-
-    def _finish(self) -> None:
-        reason = self.last["meta_info"]["finish_reason"]
-        self.result.finish_reason = reason["type"]
-        self.result.matched_stop = reason.get("matched")
-        self.done = True
-
-    def _append(self, text: str) -> None:
-        """Text the format fixes: appended to the ids the next part continues, never generated."""
-        if text:
-            self.ids = self.ids + self.engine.tokenizer.encode(text, add_special_tokens=False)
-
-    def _continue_with(self, kept: str) -> None:
-        """Continue after the last part's output cut to the text `kept`: its own tokens as far as they spell a
-        prefix of `kept` (no stop token), the rest tokenized."""
-        ids = list(self.last["output_ids"])
-        if ids and self._reason() == "stop" and ids[-1] == self._matched():
-            stop_text = self._decode(ids[-1:])
-            if not stop_text or not kept.endswith(stop_text):  # the model's end-of-turn token
-                ids.pop()
-        while ids and not kept.startswith(self._decode(ids)):
-            ids.pop()
-        self.ids = self.ids + ids
-        self._append(kept[len(self._decode(ids)):] if ids else kept)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)

@@ -124,7 +124,7 @@ async def _answer(request: web.Request, plan: tool_calls.AnswerPlan, req: ChatCo
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     body = fmt.envelope("chat.completion", fmt.response_id("chatcmpl"), model,
-                        choices=tool_calls.choices(results, plan.reasoning is not None),
+                        choices=tool_calls.choices(results, plan),
                         usage=fmt.usage(len(plan.prompt_ids), sum(r.completion_tokens for r in results),
                                         results[0].cached_tokens))
     return web.json_response(body)

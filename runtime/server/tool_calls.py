@@ -6,6 +6,7 @@ with its id, type and name, then fragments of its arguments).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -18,7 +19,8 @@ from ..tools.formats import FORMATS, JSON_ARRAY, PARSER_NAMES, PYTHONIC, CallFor
 from ..tools.formats import detect as detect_format
 from ..tools.protocol import ToolChoice, ToolFunction, parse_tool_choice, parse_tools
 from . import openai_format as fmt
-from .answer import CONSTRAINTS, Answer, AnswerPlan, AnswerResult, Delta
+from .answer import CONSTRAINTS, Answer, AnswerPlan, Delta
+from .answer_parts import AnswerResult
 from .errors import ApiError
 from .openai_protocol import ChatCompletionRequest
 from .sse import open_stream, send_done, send_event
@@ -60,9 +62,6 @@ def call_format(engine: Engine, settings: ServerArgs, choice: ToolChoice) -> tup
 def answer_plan(req: ChatCompletionRequest, prompt_ids: list[int], prompt: str, sampling: dict[str, Any],
                 tools: list[ToolFunction], choice: ToolChoice, call: tuple[CallFormat | None, bool],
                 reasoning: ReasoningFormat | None) -> AnswerPlan:
-    if req.logprobs:
-        raise ApiError(400, "logprobs are not available with tool calls or a reasoning parser yet; send "
-                            "separate_reasoning: false (and no tools) for logprobs")
     constraint = {k: sampling[k] for k in CONSTRAINTS if k in sampling}
     if constraint and choice.calls:
         raise ApiError(400, "response_format, json_schema, regex and ebnf cannot be combined with tool calls; send "
@@ -70,7 +69,8 @@ def answer_plan(req: ChatCompletionRequest, prompt_ids: list[int], prompt: str, 
     free = {k: v for k, v in sampling.items() if k not in CONSTRAINTS and k != "max_new_tokens"}
     return AnswerPlan(prompt_ids, free, constraint, sampling["max_new_tokens"], reasoning,
                       reasoning.opened_by(prompt) if reasoning else False, req.max_reasoning_tokens, tools, choice,
-                      call[0], call[1], req.parallel_tool_calls is not False)
+                      call[0], call[1], req.parallel_tool_calls is not False,
+                      (req.top_logprobs or 0) if req.logprobs else None)
 
 
 def message(result: AnswerResult, reasoning: bool) -> dict[str, Any]:
@@ -98,9 +98,16 @@ async def _drain(answer: Answer) -> None:
         pass
 
 
-def choices(results: list[AnswerResult], reasoning: bool) -> list[dict[str, Any]]:
-    return [{"index": index, "message": message(result, reasoning), "finish_reason": result.finish_reason,
-             "matched_stop": result.matched_stop, "logprobs": None} for index, result in enumerate(results)]
+def choices(results: list[AnswerResult], plan: AnswerPlan) -> list[dict[str, Any]]:
+    return [{"index": index, "message": message(result, plan.reasoning is not None),
+             "finish_reason": result.finish_reason, "matched_stop": result.matched_stop,
+             "logprobs": _logprobs(plan, result.logprobs, result.top_logprobs)} for index, result in enumerate(results)]
+
+
+def _logprobs(plan: AnswerPlan, entries: list[Any], tops: list[Any]) -> dict[str, Any] | None:
+    """OpenAI's chat logprobs of the generated tokens (the text a call format fixes was not generated: it has
+    none)."""
+    return None if plan.top_logprobs is None else fmt.chat_logprobs(entries, tops)
 
 
 async def stream(request: web.Request, engine: Engine, plan: AnswerPlan, n: int, model: str,
@@ -141,9 +148,24 @@ async def _pump(index: int, answer: Answer, queue: asyncio.Queue) -> None:
     try:
         async for delta in answer.run():
             await queue.put((index, delta))
+            await _put_logprobs(index, answer, queue)
+        await _put_logprobs(index, answer, queue)
         await queue.put((index, answer.result))
     except (ValueError, RuntimeError) as error:
         await queue.put((index, error))
+
+
+@dataclass(frozen=True)
+class _Logprobs:
+    entries: list[Any]
+    tops: list[Any]
+
+
+async def _put_logprobs(index: int, answer: Answer, queue: asyncio.Queue) -> None:
+    if answer.plan.top_logprobs is not None:
+        entries, tops = answer.new_logprobs()
+        if entries:
+            await queue.put((index, _Logprobs(entries, tops)))
 
 
 class _DeltaWriter:
@@ -153,18 +175,20 @@ class _DeltaWriter:
         self.rid, self.model, self.reasoning = rid, model, reasoning
         self.started: set[int] = set()
 
-    def chunk(self, index: int, item: Delta | AnswerResult) -> dict[str, Any]:
+    def chunk(self, index: int, item: Delta | AnswerResult | _Logprobs) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if index not in self.started:
             self.started.add(index)
             delta = {"role": "assistant", "content": ""}
-        finish = matched = None
+        finish = matched = logprobs = None
         if isinstance(item, AnswerResult):
             finish, matched = item.finish_reason, item.matched_stop
+        elif isinstance(item, _Logprobs):
+            logprobs = fmt.chat_logprobs(item.entries, item.tops)
         else:
             delta.update(_delta(item))
         choice = {"index": index, "delta": delta, "finish_reason": finish, "matched_stop": matched,
-                  "logprobs": None}
+                  "logprobs": logprobs}
         return fmt.envelope("chat.completion.chunk", self.rid, self.model, choices=[choice])
 
     def usage(self, plan: AnswerPlan, results: list[AnswerResult]) -> dict[str, Any]:

@@ -59,6 +59,7 @@ class AnswerPlan:
     pythonic: bool = False
     parallel: bool = True
     top_logprobs: int | None = None  # None: no logprobs; else how many alternatives per token
+    images: list[Any] | None = None  # the prompt's images (chat image_url parts), in placeholder order
 
     @property
     def thinks_first(self) -> bool:
@@ -72,7 +73,7 @@ class Answer(PartRequests):
         sampling = dict(plan.sampling, n=1)
         if "sampling_seed" in sampling:
             sampling["sampling_seed"] += seed_offset
-        super().__init__(engine, plan.prompt_ids, plan.limit, sampling, stream, plan.top_logprobs)
+        super().__init__(engine, plan.prompt_ids, plan.limit, sampling, stream, plan.top_logprobs, plan.images)
         self.plan = plan
 
     # -- the parts --------------------------------------------------------------------------------------------

@@ -39,8 +39,9 @@ class AnswerResult:
 
 class PartRequests:
     def __init__(self, engine: Engine, prompt_ids: list[int], limit: int, sampling: dict[str, Any], stream: bool,
-                 top_logprobs: int | None) -> None:
+                 top_logprobs: int | None, images: list[Any] | None) -> None:
         self.engine, self.stream = engine, stream
+        self.images = images  # every part's ids hold the prompt's image placeholders: each request sends the images
         self.ids = list(prompt_ids)
         self.remaining = limit
         self.sampling = sampling
@@ -68,7 +69,7 @@ class PartRequests:
         sampling = {**params, "max_new_tokens": budget}
         if self.stream:
             chunks = await self.engine.async_generate(input_ids=self.ids, sampling_params=sampling, stream=True,
-                                                      **self.logprob_args)
+                                                      image_data=self.images, **self.logprob_args)
             try:
                 async for chunk in chunks:
                     self.last = chunk
@@ -78,7 +79,7 @@ class PartRequests:
                 await chunks.aclose()
         else:
             self.last = await self.engine.async_generate(input_ids=self.ids, sampling_params=sampling,
-                                                         **self.logprob_args)
+                                                         image_data=self.images, **self.logprob_args)
             self._gather_logprobs(self.last["meta_info"])
             yield self.last["text"]
         meta = self.last["meta_info"]

@@ -103,13 +103,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # Each placeholder becomes the image's tokens; at least itself where each image's count is its own (Qwen2-VL).
     shown = len(ids) + len(images) * ((engine.image_tokens or 1) - 1)
     sampling = _per_prompt_sampling(engine, req, limit, [[0] * shown])
+    shown_images = checked_images(images, settings.allow_local_images) if images else None
     if choice.calls or reasoning is not None:
-        if images:
-            raise ApiError(400, "image_url parts are not available with tool calls or a reasoning parser yet")
-        plan = tool_calls.answer_plan(req, ids, prompt, sampling[0], tools, choice, call, reasoning)
+        plan = tool_calls.answer_plan(req, ids, prompt, sampling[0], tools, choice, call, reasoning, shown_images)
         return await _answer(request, plan, req)
     job = Job("chat", checked_model(request, req), [ids], sampling, top, rid=req.rid, bootstrap=_bootstrap(req),
-              images=[checked_images(images, settings.allow_local_images)] if images else None)
+              images=[shown_images] if images else None)
     return await _run(request, job, req)
 
 

@@ -61,7 +61,7 @@ def call_format(engine: Engine, settings: ServerArgs, choice: ToolChoice) -> tup
 
 def answer_plan(req: ChatCompletionRequest, prompt_ids: list[int], prompt: str, sampling: dict[str, Any],
                 tools: list[ToolFunction], choice: ToolChoice, call: tuple[CallFormat | None, bool],
-                reasoning: ReasoningFormat | None) -> AnswerPlan:
+                reasoning: ReasoningFormat | None, images: list[Any] | None) -> AnswerPlan:
     constraint = {k: sampling[k] for k in CONSTRAINTS if k in sampling}
     if constraint and choice.calls:
         raise ApiError(400, "response_format, json_schema, regex and ebnf cannot be combined with tool calls; send "
@@ -70,7 +70,7 @@ def answer_plan(req: ChatCompletionRequest, prompt_ids: list[int], prompt: str, 
     return AnswerPlan(prompt_ids, free, constraint, sampling["max_new_tokens"], reasoning,
                       reasoning.opened_by(prompt) if reasoning else False, req.max_reasoning_tokens, tools, choice,
                       call[0], call[1], req.parallel_tool_calls is not False,
-                      (req.top_logprobs or 0) if req.logprobs else None)
+                      (req.top_logprobs or 0) if req.logprobs else None, images)
 
 
 def message(result: AnswerResult, reasoning: bool) -> dict[str, Any]:

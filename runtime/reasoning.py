@@ -74,13 +74,13 @@ def _split(fmt: ReasoningFormat, text: str, begins: bool | None, final: bool) ->
     elif begins is None:
         return None, text, True
     if fmt.end not in body:
-        return body if final else body[:len(body) - _partial_tag(body, fmt.end)], "", False
+        return body if final else body[:len(body) - partial_tag(body, fmt.end)], "", False
     reasoning, content = body.split(fmt.end, 1)
     return reasoning, content.lstrip(), True
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
+def partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (what a stream holds back: it may become `tag`)."""
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 

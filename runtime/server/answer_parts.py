@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import Engine
+from ..reasoning import partial_tag
 from ..tools.formats import CallFormat
 from ..tools.protocol import ToolCall
 
@@ -118,11 +119,7 @@ class PartRequests:
         if fmt.trigger_at_start:
             return "" if not text.strip() or text.lstrip().startswith(fmt.trigger) else text
         cut = text.find(fmt.trigger)
-        if cut >= 0:
-            return text[:cut]
-        trigger = fmt.trigger
-        held = next((k for k in range(min(len(trigger) - 1, len(text)), 0, -1) if text.endswith(trigger[:k])), 0)
-        return text[:len(text) - held]
+        return text[:cut] if cut >= 0 else text[:len(text) - partial_tag(text, fmt.trigger)]
 
     def _single_token(self, text: str) -> int | None:
         ids = self.engine.tokenizer.encode(text, add_special_tokens=False)

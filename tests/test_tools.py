@@ -38,12 +38,15 @@ ENGINE_ARGS = {"max_total_tokens": TINY_POOL_TOKENS, "torch_num_threads": 1, "dt
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, default_model_dir):
-    """qwen2.5 as `furcate serve` (the agent framework's loop runs against the real command); the other families as
-    the same app over an engine in this process (one interpreter less to start per family)."""
+    """qwen2.5 as `furcate serve` (the agent framework's loop runs against the real command, whose flags pick the
+    parsers); the other families as the same app over an engine in this process (one interpreter less to start
+    per family), their parsers detected from their templates."""
     root = tmp_path_factory.mktemp("chat")
     dirs = {family: build_tiny_chat_model(family, root / family, default_model_dir) for family in FAMILIES}
     with ThreadPoolExecutor(len(FAMILIES)) as pool:
-        command = pool.submit(ServerProcess, str(dirs["qwen2.5"]), ENGINE_ARGS)
+        # SGLang's name for the format the template shows anyway: the flag's path through the CLI.
+        command = pool.submit(ServerProcess, str(dirs["qwen2.5"]), ENGINE_ARGS,
+                              extra_args=("--tool-call-parser", "qwen25", "--reasoning-parser", "none"))
         engines = dict(zip(FAMILIES[1:], pool.map(lambda f: Engine(str(dirs[f]), **ENGINE_ARGS), FAMILIES[1:])))
         started = {"qwen2.5": command.result(), **{f: AppOnThread(e) for f, e in engines.items()}}
     yield {family: (server, AutoTokenizer.from_pretrained(dirs[family])) for family, server in started.items()}

@@ -232,6 +232,8 @@ BAD = [
      "allow_approximate_schema"),
     ({"tools": TOOLS, "tool_choice": ["required"]}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}], "tools": TOOLS}, "only assistant"),
+    ({"tools": TOOLS, "tool_choice": "required", "bootstrap_host": "127.0.0.1", "bootstrap_port": 9,
+      "bootstrap_room": 1}, "disaggregation"),
 ]
 
 

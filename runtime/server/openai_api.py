@@ -13,6 +13,7 @@ from aiohttp import web
 from ..engine import Engine
 from . import openai_format as fmt
 from . import tool_calls
+from .answer import AnswerPlan
 from .chat_render import render_chat
 from .errors import ApiError, read_json_object
 from .image_fields import checked_images
@@ -90,7 +91,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
     tools, choice = tool_calls.request_tools(req)
     call = tool_calls.call_format(engine, settings, choice)
-    reasoning = tool_calls.server_reasoning(engine, settings) if req.separate_reasoning else None
+    # An answer of several parts cannot follow one prefill/decode pairing: under the PD router reasoning stays in
+    # the text (tool calls are refused in answer_plan).
+    paired = any(getattr(req, name) is not None for name in BOOTSTRAP_FIELDS)
+    reasoning = tool_calls.server_reasoning(engine, settings) if req.separate_reasoning and not paired else None
     images = [url for m in req.messages for url in fmt.message_images(m.content)]
     if images and engine.image_placeholder is None:
         raise ApiError(400, "image_url parts need a vision-language model; the served model reads text only")
@@ -105,6 +109,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     sampling = _per_prompt_sampling(engine, req, limit, [[0] * shown])
     shown_images = checked_images(images, settings.allow_local_images) if images else None
     if choice.calls or reasoning is not None:
+        if paired:
+            raise ApiError(400, "tool calls are not available under prefill/decode disaggregation yet")
         plan = tool_calls.answer_plan(req, ids, prompt, sampling[0], tools, choice, call, reasoning, shown_images)
         return await _answer(request, plan, req)
     job = Job("chat", checked_model(request, req), [ids], sampling, top, rid=req.rid, bootstrap=_bootstrap(req),
@@ -112,7 +118,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _run(request, job, req)
 
 
-async def _answer(request: web.Request, plan: tool_calls.AnswerPlan, req: ChatCompletionRequest) -> web.StreamResponse:
+async def _answer(request: web.Request, plan: AnswerPlan, req: ChatCompletionRequest) -> web.StreamResponse:
     engine: Engine = request.app[ENGINE]
     model = checked_model(request, req)
     if req.stream:

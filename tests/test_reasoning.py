@@ -9,6 +9,7 @@ import json
 import jsonschema
 import openai
 import pytest
+import requests
 
 import furcate as sgl
 from app_thread import AppOnThread
@@ -76,6 +77,21 @@ def test_thinking_off_and_separation_off(client):
     assert free.reasoning_content is None and free.content == plain.content
     scored = create(client, max_tokens=8, logprobs=True, extra_body={"ignore_eos": True}).choices[0]
     assert "".join(t.token for t in scored.logprobs.content) == scored.message.content == free.content
+
+
+def test_abort_by_rid_ends_the_answer(client):
+    """A request's rid names its parts: /abort_request with it aborts the part running, and the answer ends."""
+    base = str(client.base_url).removesuffix("/v1/")
+    with client.chat.completions.with_streaming_response.create(
+            model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=900, temperature=0, stream=True,
+            response_format=RESPONSE_FORMAT, extra_body={"rid": "thinking-abort", "ignore_eos": True}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # the think block is streaming
+        assert requests.post(f"{base}/abort_request", json={"rid": "thinking-abort"}, timeout=30).ok
+        events = [json.loads(line[5:]) for line in lines if line.startswith("data:") and "[DONE]" not in line]
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    streamed = sum(1 for e in events if e["choices"][0]["delta"].get("reasoning_content"))
+    assert streamed < 900 and not any(e["choices"][0]["delta"].get("content") for e in events)
 
 
 def test_parsers_on_known_texts():

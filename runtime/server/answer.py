@@ -24,7 +24,7 @@ from ..reasoning import ReasoningFormat, ReasoningStream
 from ..tools.formats import CallFormat
 from ..tools.protocol import ToolCall, ToolChoice, ToolFunction, new_call_id
 from ..tools.pythonic import parse_pythonic
-from .answer_parts import PartRequests
+from .answer_parts import Aborted, PartRequests
 
 CONSTRAINTS = ("json_schema", "regex", "ebnf")
 MAX_CALLS = 64
@@ -60,6 +60,7 @@ class AnswerPlan:
     parallel: bool = True
     top_logprobs: int | None = None  # None: no logprobs; else how many alternatives per token
     images: list[Any] | None = None  # the prompt's images (chat image_url parts), in placeholder order
+    rid: str | None = None
 
     @property
     def thinks_first(self) -> bool:
@@ -73,12 +74,20 @@ class Answer(PartRequests):
         sampling = dict(plan.sampling, n=1)
         if "sampling_seed" in sampling:
             sampling["sampling_seed"] += seed_offset
-        super().__init__(engine, plan.prompt_ids, plan.limit, sampling, stream, plan.top_logprobs, plan.images)
+        rid = None if plan.rid is None else f"{plan.rid}-{seed_offset}"
+        super().__init__(engine, plan.prompt_ids, plan.limit, sampling, stream, plan.top_logprobs, plan.images, rid)
         self.plan = plan
 
     # -- the parts --------------------------------------------------------------------------------------------
 
     async def run(self) -> AsyncIterator[Delta]:
+        try:
+            async for delta in self._parts():
+                yield delta
+        except Aborted:  # the result says so (finish_reason abort)
+            return
+
+    async def _parts(self) -> AsyncIterator[Delta]:
         plan = self.plan
         if plan.thinks_first:
             async for delta in self._think():

@@ -38,10 +38,15 @@ class AnswerResult:
     top_logprobs: list[Any] = field(default_factory=list)
 
 
+class Aborted(Exception):
+    """A part was aborted (/abort_request with the request's rid): the answer ends there."""
+
+
 class PartRequests:
     def __init__(self, engine: Engine, prompt_ids: list[int], limit: int, sampling: dict[str, Any], stream: bool,
-                 top_logprobs: int | None, images: list[Any] | None) -> None:
+                 top_logprobs: int | None, images: list[Any] | None, rid: str | None) -> None:
         self.engine, self.stream = engine, stream
+        self.rid = rid  # each part is `<rid>-<part>`: aborting the rid aborts the part running (Engine.abort)
         self.images = images  # every part's ids hold the prompt's image placeholders: each request sends the images
         self.ids = list(prompt_ids)
         self.remaining = limit
@@ -68,9 +73,10 @@ class PartRequests:
             yield ""
             return
         sampling = {**params, "max_new_tokens": budget}
+        rid = None if self.rid is None else f"{self.rid}-{self.requests}"
         if self.stream:
             chunks = await self.engine.async_generate(input_ids=self.ids, sampling_params=sampling, stream=True,
-                                                      image_data=self.images, **self.logprob_args)
+                                                      rid=rid, image_data=self.images, **self.logprob_args)
             try:
                 async for chunk in chunks:
                     self.last = chunk
@@ -79,7 +85,7 @@ class PartRequests:
             finally:
                 await chunks.aclose()
         else:
-            self.last = await self.engine.async_generate(input_ids=self.ids, sampling_params=sampling,
+            self.last = await self.engine.async_generate(input_ids=self.ids, sampling_params=sampling, rid=rid,
                                                          image_data=self.images, **self.logprob_args)
             self._gather_logprobs(self.last["meta_info"])
             yield self.last["text"]
@@ -89,6 +95,9 @@ class PartRequests:
         self.requests += 1
         self.result.completion_tokens += meta["completion_tokens"]
         self.remaining -= meta["completion_tokens"]
+        if meta["finish_reason"]["type"] == "abort":
+            self._finish()
+            raise Aborted
 
     def _gather_logprobs(self, meta: dict[str, Any]) -> None:
         entries = meta.get("output_token_logprobs") or []

@@ -29,6 +29,7 @@ from .lang import (
     greedy_token_selection,
     image,
     select,
+    separate_reasoning,
     system,
     system_begin,
     system_end,
@@ -46,7 +47,8 @@ __all__ = [
     "ProgramStateGroup", "Runtime", "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end",
     "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "greedy_token_selection", "image",
     "init_weight_group", "serialize_named_tensors",
-    "select", "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
+    "select", "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
+    "token_length_normalized",
     "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video",
 ]
 

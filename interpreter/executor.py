@@ -24,6 +24,7 @@ from ..lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     SetVar,
     VarRef,
     VarScopeBegin,
@@ -31,6 +32,7 @@ from ..lang.ir import (
     Video,
     defined_names,
 )
+from ..runtime.reasoning import reasoning_format, split
 from .backends.base import Backend
 from .errors import ProgramError
 from .events import EventLog, TextEvent
@@ -222,6 +224,15 @@ class Executor:
         self._append(decision.decision, expr.name, decision.meta_info)
         self._set_var(expr.name, decision.decision, decision.meta_info)
 
+    async def _separate_reasoning(self, expr: SeparateReasoning) -> None:
+        fmt = reasoning_format(expr.model_type)
+        begins = fmt.in_reasoning(fmt.opened_by(self.text))
+        await self._execute(expr.expr)
+        name = expr.expr.name
+        reasoning, content = split(fmt, self.variables[name], begins)
+        self.variables[name] = content
+        self.variables[f"{name}_reasoning_content"] = reasoning
+
     async def _role_begin(self, expr: RoleBegin) -> None:
         if self.role is not None:
             raise ValueError(f"the {expr.role} role begins inside the {self.role} role; roles do not nest")
@@ -276,6 +287,7 @@ class Executor:
 
 HANDLERS = {
     Constant: Executor._constant, Gen: Executor._gen, Select: Executor._select, RoleBegin: Executor._role_begin,
+    SeparateReasoning: Executor._separate_reasoning,
     RoleEnd: Executor._role_end, Image: Executor._media, Video: Executor._media, VarRef: Executor._var_ref,
     SetVar: Executor._set, VarScopeBegin: Executor._scope_begin, VarScopeEnd: Executor._scope_end,
     CommitPrefix: Executor._commit, EndOfProgram: Executor._end,

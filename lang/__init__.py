@@ -10,6 +10,7 @@ from .api import (
     image,
     role,
     select,
+    separate_reasoning,
     system,
     system_begin,
     system_end,
@@ -32,6 +33,7 @@ from .tracing import Trace, constant_prefix, trace
 __all__ = [
     "ChoiceScores", "ChoicesDecision", "Expr", "Program", "Trace", "assistant", "assistant_begin", "assistant_end",
     "constant_prefix", "gen", "gen_int", "gen_string", "greedy_token_selection", "image", "role", "select",
-    "system", "system_begin", "system_end", "token_length_normalized", "trace", "unconditional_likelihood_normalized",
+    "separate_reasoning", "system", "system_begin", "system_end", "token_length_normalized", "trace",
+    "unconditional_likelihood_normalized",
     "user", "user_begin", "user_end", "video",
 ]

@@ -7,7 +7,7 @@ from typing import Any
 from ..grammars.spec import GrammarSpec
 from .choices import ChoicesMethod, token_length_normalized
 from .dtypes import DTYPE_REGEX, resolve_dtype
-from .ir import Concat, Expr, Gen, Image, RoleBegin, RoleEnd, Select, Video, as_expr
+from .ir import Concat, Expr, Gen, Image, RoleBegin, RoleEnd, Select, SeparateReasoning, Video, as_expr
 
 ROLES = ("system", "user", "assistant")
 
@@ -71,6 +71,17 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
     if not callable(choices_method) or not hasattr(choices_method, "requires_unconditional"):
         raise ValueError(f"choices_method must be one of furcate's choice methods, got {choices_method!r}")
     return Select(name, tuple(choices), float(temperature), choices_method)
+
+
+def separate_reasoning(expr: Expr | None = None, model_type: str | None = None) -> Expr:
+    """SGLang's frontend call: after `expr` (a named gen) runs, its variable holds the answer and
+    `<name>_reasoning_content` the model's think block. `model_type` names the reasoning parser: "deepseek-r1"
+    (reasoning until `</think>`) or "qwen3" (reasoning only inside an opened block); it is checked when it runs."""
+    if not isinstance(expr, Gen) or expr.name is None:
+        raise ValueError(f"separate_reasoning takes a named gen, got {expr!r}")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"separate_reasoning needs model_type (a reasoning parser's name), got {model_type!r}")
+    return SeparateReasoning(expr, model_type)
 
 
 def image(source: Any) -> Expr:

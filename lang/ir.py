@@ -82,6 +82,18 @@ class Gen(Expr):
 
 
 @dataclass(frozen=True)
+class SeparateReasoning(Expr):
+    """Run `expr` (a gen), then split its variable: the think block goes to `<name>_reasoning_content`, the answer
+    stays under `name`. The program's text keeps both."""
+
+    expr: Gen
+    model_type: str
+
+    def describe(self) -> str:
+        return f"separate_reasoning({self.expr.describe()}, model_type={self.model_type!r})"
+
+
+@dataclass(frozen=True)
 class Select(Expr):
     """Choose one of `choices` by scoring each as a continuation of the text so far."""
 
@@ -198,4 +210,6 @@ def defined_names(expr: Expr) -> list[str | None]:
         return [expr.name]
     if isinstance(expr, (SetVar, VarScopeEnd)):
         return [expr.name]
+    if isinstance(expr, SeparateReasoning):
+        return [expr.expr.name, f"{expr.expr.name}_reasoning_content"]
     return []

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from . import registry
 from .attention.select import resolve_attention_backend
+from .reasoning import FORMATS as REASONING_FORMATS
+from .tools.formats import PARSER_NAMES
 
 MAX_DP_SIZE = 64
 MAX_TP_SIZE = 8
@@ -22,6 +24,8 @@ registry.register_names("quantization", ("auto", "none", "gguf"))
 registry.register_names("schedule_policy", ("lpm", "dfs-weight", "fcfs", "lof", "random"))
 registry.register_names("grammar_backend", ("auto", "xgrammar", "llguidance", "outlines", "none"))
 registry.register_names("router_policy", ("cache_aware", "round_robin", "power_of_two", "random"))
+registry.register_names("tool_call_parser", PARSER_NAMES)
+registry.register_names("reasoning_parser", (*REASONING_FORMATS, "none"))
 registry.register("disaggregation_mode", "null")  # serving whole requests: no scheduler plug-in
 registry.register("disaggregation_mode", "prefill", "furcate.runtime.disaggregation.prefill:PrefillSender")
 registry.register("disaggregation_mode", "decode", "furcate.runtime.disaggregation.decode:DecodeReceiver")
@@ -285,6 +289,12 @@ class ServerArgs:
     # Image strings that name files on this machine are read (vision-language models); off, a client could have
     # the server open any path. Data: URLs and base64 are always read; http(s) URLs with allow_remote_images.
     allow_local_images: bool = False
+    # The format tool calls are generated and parsed in (tool_choice auto needs one); unset: detected from the
+    # chat template (Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS], pythonic).
+    tool_call_parser: str | None = None
+    # How reasoning is told apart from the answer (reasoning_content); unset: detected from the chat template
+    # (qwen3 where it switches enable_thinking, deepseek-r1 for other think blocks); none: never.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -299,6 +309,9 @@ class ServerArgs:
             # sglang-router's --api-key authenticates it to workers; checking clients' keys is not wired up yet.
             raise ValueError("api_key with dp_size > 1 or pd_disaggregation is not supported yet")
         registry.check("router_policy", self.router_policy)
+        for kind in ("tool_call_parser", "reasoning_parser"):
+            if getattr(self, kind) is not None:
+                registry.check(kind, getattr(self, kind))
         if not 0 <= self.graceful_shutdown_timeout < float("inf"):
             raise ValueError(f"graceful_shutdown_timeout must be a finite number >= 0, got "
                              f"{self.graceful_shutdown_timeout}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import openai
@@ -207,6 +208,23 @@ def test_native_generate_and_openai_chat_take_images(vision_server, reference, t
                                                        tokenize=False, add_generation_prompt=True)
     expected = reference.greedy(rendered, [picture(7)])
     assert reply.choices[0].message.content == reference.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_tool_calls_about_an_image(vision_server):
+    """A constrained answer is several requests; each sends the prompt's images again, since its ids hold their
+    placeholders."""
+    client = openai.OpenAI(base_url=f"{vision_server.url}/v1", api_key="unused", max_retries=0)
+    parts = [{"type": "text", "text": "Which color is "},
+             {"type": "image_url", "image_url": {"url": data_url(picture(8))}}]
+    tools = [{"type": "function", "function": {"name": "report", "parameters": {
+        "type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
+        "additionalProperties": False}}}]
+    reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=40, temperature=0,
+                                           messages=[{"role": "user", "content": parts}], tools=tools,
+                                           tool_choice="required", parallel_tool_calls=False)
+    call = reply.choices[0].message.tool_calls[0]
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "report"
+    assert json.loads(call.function.arguments)["color"] in ("red", "blue")
 
 
 @pytest.mark.parametrize("path, body, why", [

@@ -127,3 +127,29 @@ def build_tiny_qwen_vl(kind: str, directory: Path, tokenizer_dir: Path) -> Path:
     Qwen2VLImageProcessorPil(patch_size=QWEN_PATCH, merge_size=QWEN_MERGE, temporal_patch_size=2,
                              min_pixels=32 * 32, max_pixels=64 * 64).save_pretrained(directory)
     return directory
+
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+# The tiny chat models of the tool and reasoning tests: an architecture, its family's real chat template
+# (tests/chat_templates/), and the tokens that family's tokenizer has as single tokens (special ones are control
+# tokens, left out of decoded text as in the real tokenizer).
+CHAT_MODELS = {
+    "qwen2.5": ("qwen2", ["<tool_call>", "</tool_call>"], []),
+    "llama3.1": ("llama", [], []),
+    "mistral": ("mistral", [], ["[TOOL_CALLS]"]),
+    "qwen3": ("qwen3", ["<think>", "</think>", "<tool_call>", "</tool_call>"], []),
+}
+
+
+def build_tiny_chat_model(family: str, directory: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random model of `family` (a CHAT_MODELS key) whose tokenizer is the default model's with the family's
+    tokens added and the family's chat template."""
+    arch, tokens, special = CHAT_MODELS[family]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens(tokens)
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.chat_template = (TEMPLATES / f"{family}.jinja").read_text()
+    build_tiny_model(arch, directory, tokenizer_dir, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -12,6 +12,9 @@ from aiohttp import web
 
 from ..engine import Engine
 from . import openai_format as fmt
+from . import tool_calls
+from .answer import AnswerPlan
+from .chat_render import render_chat
 from .errors import ApiError, read_json_object
 from .image_fields import checked_images
 from .keys import ENGINE, SETTINGS
@@ -22,6 +25,7 @@ from .sse import open_stream, send_done, send_event
 STARTED = int(time.time())
 # Router-added fields these routes parse themselves (an unknown model is a 404 here).
 OPENAI_OWN = frozenset({"model"})
+CHAT_OWN = frozenset({"model", "separate_reasoning"})
 
 
 def add_routes(app: web.Application) -> None:
@@ -82,25 +86,53 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = strip_router_fields(await read_json_object(request), OPENAI_OWN)
+    body = strip_router_fields(await read_json_object(request), CHAT_OWN)
     req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
-    if req.tools:
-        raise ApiError(400, "tools are not supported by this server (tool calls are not implemented)")
-    engine = request.app[ENGINE]
+    engine, settings = request.app[ENGINE], request.app[SETTINGS]
+    tools, choice = tool_calls.request_tools(req)
+    call = tool_calls.call_format(engine, settings, choice)
+    # An answer of several parts cannot follow one prefill/decode pairing: under the PD router reasoning stays in
+    # the text (tool calls are refused in answer_plan).
+    paired = any(getattr(req, name) is not None for name in BOOTSTRAP_FIELDS)
+    reasoning = tool_calls.server_reasoning(engine, settings) if req.separate_reasoning and not paired else None
     images = [url for m in req.messages for url in fmt.message_images(m.content)]
     if images and engine.image_placeholder is None:
         raise ApiError(400, "image_url parts need a vision-language model; the served model reads text only")
-    ids = engine.tokenizer.encode(_render_chat(engine, req), add_special_tokens=False)
+    prompt = render_chat(engine, req, tools)
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true")
     # Each placeholder becomes the image's tokens; at least itself where each image's count is its own (Qwen2-VL).
     shown = len(ids) + len(images) * ((engine.image_tokens or 1) - 1)
-    job = Job("chat", checked_model(request, req), [ids], _per_prompt_sampling(engine, req, limit, [[0] * shown]),
-              top, rid=req.rid, bootstrap=_bootstrap(req),
-              images=[checked_images(images, request.app[SETTINGS].allow_local_images)] if images else None)
+    sampling = _per_prompt_sampling(engine, req, limit, [[0] * shown])
+    shown_images = checked_images(images, settings.allow_local_images) if images else None
+    if choice.calls or reasoning is not None:
+        if paired:
+            raise ApiError(400, "tool calls are not available under prefill/decode disaggregation yet")
+        plan = tool_calls.answer_plan(req, ids, prompt, sampling[0], tools, choice, call, reasoning, shown_images)
+        return await _answer(request, plan, req)
+    job = Job("chat", checked_model(request, req), [ids], sampling, top, rid=req.rid, bootstrap=_bootstrap(req),
+              images=[shown_images] if images else None)
     return await _run(request, job, req)
+
+
+async def _answer(request: web.Request, plan: AnswerPlan, req: ChatCompletionRequest) -> web.StreamResponse:
+    engine: Engine = request.app[ENGINE]
+    model = checked_model(request, req)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await tool_calls.stream(request, engine, plan, req.n, model, include_usage)
+    try:
+        results = await tool_calls.complete(engine, plan, req.n)
+    except ValueError as error:
+        raise ApiError(400, str(error)) from None
+    body = fmt.envelope("chat.completion", fmt.response_id("chatcmpl"), model,
+                        choices=tool_calls.choices(results, plan),
+                        usage=fmt.usage(len(plan.prompt_ids), sum(r.completion_tokens for r in results),
+                                        results[0].cached_tokens))
+    return web.json_response(body)
 
 
 def _bootstrap(req: SamplingFields) -> dict[str, Any]:
@@ -124,18 +156,6 @@ def _encode(engine: Engine, text: str) -> list[int]:
         return engine.tokenizer.encode(text)
     except UnicodeEncodeError as error:
         raise ApiError(400, f"prompt is not valid text: {error.reason} at position {error.start}") from None
-
-
-def _render_chat(engine: Engine, req: ChatCompletionRequest) -> str:
-    placeholder = engine.image_placeholder or ""
-    messages = [{"role": m.role, "content": fmt.message_text(m.content, placeholder),
-                 **({"name": m.name} if m.name else {})} for m in req.messages]
-    try:
-        return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except UnicodeEncodeError as error:
-        raise ApiError(400, f"a message is not valid text: {error.reason}") from None
-    except Exception as error:  # noqa: BLE001 - the template's Jinja raises what it likes on orders it refuses
-        raise ApiError(400, f"the chat template cannot render these messages: {error}") from None
 
 
 def _per_prompt_sampling(engine: Engine, req: SamplingFields, limit: int | None,

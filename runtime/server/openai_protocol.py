@@ -86,11 +86,26 @@ class ImagePart(Strict):
     image_url: ImageUrl
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(Strict):
+    """A call an earlier assistant turn made, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class JsonSchemaFormat(Strict):
@@ -112,9 +127,16 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    # Checked by tools/protocol.py, whose messages name the tool and field at fault.
+    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Passed to the chat template (enable_thinking, ...), as SGLang and vLLM take them.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # With a reasoning parser: reasoning_content apart from content (SGLang's field; false: one text).
+    separate_reasoning: bool = True
+    # furcate's: the most tokens a reasoning model thinks before the server closes its think block.
+    max_reasoning_tokens: Annotated[int, Field(ge=1)] | None = None
 
 
 def parse(model: type[Strict], body: dict[str, Any]) -> Any:

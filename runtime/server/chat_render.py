@@ -1,0 +1,103 @@
+"""A chat request's messages rendered by the model's own chat template: tools, the calls earlier turns made, tool
+results and chat_template_kwargs included.
+
+A template that takes `tools` renders them and the history's calls its own way (arguments reach it as objects, as
+Qwen's, Llama's and Mistral's templates expect). One that does not (the default model's) is given the tools in a
+system message, earlier calls as the JSON array required/named answers are written in, and tool results as user
+messages, so every template can carry a tool conversation.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..engine import Engine
+from ..tools.protocol import ToolFunction, history_arguments
+from . import openai_format as fmt
+from .errors import ApiError
+from .openai_protocol import ChatCompletionRequest, ChatMessage
+
+# Keys apply_chat_template sets itself: a request's chat_template_kwargs may not override them.
+RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                             "chat_template", "continue_final_message", "return_dict", "return_assistant_tokens_mask",
+                             "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors"})
+TOOLS_PREAMBLE = ("You can call these functions. To call them, answer with only a JSON array of calls, "
+                  '[{"name": <function name>, "parameters": <arguments object>}].\n')
+
+
+def takes_tools(engine: Engine) -> bool:
+    return "tools" in (getattr(engine.tokenizer, "chat_template", None) or "")
+
+
+def render_chat(engine: Engine, req: ChatCompletionRequest, tools: list[ToolFunction]) -> str:
+    """The prompt text, or ApiError 400 naming what the messages or the template refuse."""
+    placeholder = engine.image_placeholder or ""
+    native = takes_tools(engine)
+    messages = [_message(index, m, placeholder, native) for index, m in enumerate(req.messages)]
+    extra = _template_kwargs(req.chat_template_kwargs)
+    if tools and native:
+        extra["tools"] = [tool.as_template_tool() for tool in tools]
+    elif tools:
+        messages = _with_tools_message(messages, tools)
+    try:
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        prompt.encode("utf-8")  # a lone surrogate (JSON allows "\ud800") would reach the tokenizer as a TypeError
+        return prompt
+    except UnicodeEncodeError as error:
+        raise ApiError(400, f"a message is not valid text: {error.reason}") from None
+    except Exception as error:  # noqa: BLE001 - the template's Jinja raises what it likes on orders it refuses
+        raise ApiError(400, f"the chat template cannot render these messages: {error}") from None
+
+
+def _message(index: int, message: ChatMessage, placeholder: str, native: bool) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if message.role == "tool" and not message.tool_call_id:
+        raise ApiError(400, f"{where}: a tool message needs tool_call_id (the id of the call it answers)")
+    if message.tool_calls is not None and message.role != "assistant":
+        raise ApiError(400, f"{where}: only assistant messages carry tool_calls")
+    out: dict[str, Any] = {"role": message.role, "content": fmt.message_text(message.content, placeholder)}
+    if message.name:
+        out["name"] = message.name
+    if message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        calls = [(call.id, call.function.name, _arguments(call.function.arguments, f"{where}.tool_calls[{i}]"))
+                 for i, call in enumerate(message.tool_calls)]
+        if not native:
+            out["content"] = _calls_text(out["content"], calls)
+            return out
+        out["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+                             for call_id, name, args in calls]
+    if message.role == "tool":
+        if not native:
+            return {"role": "user", "content": f"Result of call {message.tool_call_id}: {out['content']}"}
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _arguments(arguments: str, where: str) -> Any:
+    try:
+        return history_arguments(arguments, where)
+    except ValueError as error:
+        raise ApiError(400, str(error)) from None
+
+
+def _calls_text(content: str, calls: list[tuple[str, str, Any]]) -> str:
+    array = json.dumps([{"name": name, "parameters": args} for _, name, args in calls], ensure_ascii=False)
+    return f"{content}\n{array}" if content else array
+
+
+def _with_tools_message(messages: list[dict[str, Any]], tools: list[ToolFunction]) -> list[dict[str, Any]]:
+    listing = "\n".join(json.dumps(tool.as_template_tool(), ensure_ascii=False) for tool in tools)
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{TOOLS_PREAMBLE}{listing}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": TOOLS_PREAMBLE + listing}, *messages]
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    reserved = sorted(RESERVED_KWARGS & set(kwargs or {}))
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}")
+    return dict(kwargs or {})

@@ -45,7 +45,8 @@ def test_compiled_bfloat16_decode_stays_with_eager(tmp_path, private_cache):
     common = {"dtype": "bfloat16", "quantization": "gguf", "max_total_tokens": 2000, "torch_num_threads": 2,
               **NO_GRAMMAR}
     params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
-    with engines_side_by_side((gguf, common), (gguf, {**common, "enable_torch_compile": True})) as engines:
+    compiled = {**common, "enable_torch_compile": True, "torch_compile_max_bs": 1}  # batch 1: one graph to compile
+    with engines_side_by_side((gguf, common), (gguf, compiled)) as engines:
         outputs = [e.generate(input_ids=list(range(200, 240)), sampling_params=params, return_logprob=True)
                    for e in engines]
         assert engines[1].get_stats()["compiled_forward_calls"] >= 23
@@ -76,7 +77,8 @@ def test_a_failed_compile_leaves_decode_eager(tiny_model_dirs, hf_reference, tok
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     ids = tokenizer.encode("the river of stone light")
-    with Engine(str(tiny_model_dirs["llama"]), **EXACT, **COMPILED, max_total_tokens=600) as engine:
+    with Engine(str(tiny_model_dirs["llama"]), **EXACT, **COMPILED, torch_compile_max_bs=1,
+                max_total_tokens=600) as engine:
         out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0})
         assert engine.get_stats()["compiled_forward_calls"] == 0
     assert out["output_ids"] == hf_reference("llama").greedy(ids, 12)

@@ -50,7 +50,7 @@ def plan_decode(forward: ForwardBatch) -> DecodePlan:
     longest = int(seq_lens.max())
     table = forward.req_to_token_pool.req_to_token[forward.req_pool_indices, :longest]
     if forward.batch_size == 1:
-        return DecodePlan(table.clone(), None)
+        return DecodePlan(table, None)  # indexing by a tensor copied the rows already
     valid = torch.arange(longest)[None, :] < seq_lens[:, None]
     return DecodePlan(torch.where(valid, table, torch.zeros_like(table)), valid[:, None, None, :])
 

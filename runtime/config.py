@@ -181,8 +181,11 @@ class EngineArgs:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.torch_compile_max_bs < 1:
-            raise ValueError(f"torch_compile_max_bs must be >= 1, got {self.torch_compile_max_bs}")
+        if not isinstance(self.enable_torch_compile, bool):
+            raise ValueError(f"enable_torch_compile must be True or False, got {self.enable_torch_compile!r}")
+        size = self.torch_compile_max_bs
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"torch_compile_max_bs must be an integer >= 1, got {size!r}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.max_prefill_tokens < 1:

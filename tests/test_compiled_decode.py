@@ -66,9 +66,16 @@ def test_sliding_window_models_decode_eagerly(tiny_model_dirs, hf_reference, tok
     assert out["output_ids"] == hf_reference("mistral").greedy(ids, 30)
 
 
-def test_torch_compile_max_bs_must_be_positive():
-    with pytest.raises(ValueError, match="torch_compile_max_bs must be >= 1"):
-        EngineArgs(torch_compile_max_bs=0)
+@pytest.mark.parametrize("size", [0, -3, 1.5, float("nan"), "8", True, None])
+def test_torch_compile_max_bs_must_be_a_positive_integer(size):
+    with pytest.raises(ValueError, match="torch_compile_max_bs must be an integer >= 1"):
+        EngineArgs(torch_compile_max_bs=size)
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, None])
+def test_enable_torch_compile_must_be_a_bool(flag):
+    with pytest.raises(ValueError, match="enable_torch_compile must be True or False"):
+        EngineArgs(enable_torch_compile=flag)
 
 
 def test_a_failed_compile_leaves_decode_eager(tiny_model_dirs, hf_reference, tokenizer, tmp_path, monkeypatch):

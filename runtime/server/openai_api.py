@@ -20,7 +20,7 @@ from .image_fields import checked_images
 from .keys import ENGINE, SETTINGS
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from .router_fields import BOOTSTRAP_FIELDS, strip_router_fields
-from .sse import open_stream, send_done, send_event
+from .sse import open_stream, send_done, send_error, send_event, stop_pumps
 
 STARTED = int(time.time())
 # Router-added fields these routes parse themselves (an unknown model is a 404 here).
@@ -235,8 +235,7 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
         while pending:
             index, item = await queue.get()
             if isinstance(item, Exception):
-                status = 400 if isinstance(item, ValueError) else 500
-                await send_event(response, {"error": {"message": str(item), "code": status}})
+                await send_error(response, item)
                 break
             await writer.write(index, item)
             pending -= item["meta_info"]["finish_reason"] is not None
@@ -245,9 +244,7 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
         await send_done(response)
         return response
     finally:
-        for pump in pumps:
-            pump.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
+        await stop_pumps(pumps)
         for chunks in streams:
             await chunks.aclose()  # aborts what has not finished (a client that went away)
 

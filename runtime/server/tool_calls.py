@@ -23,7 +23,7 @@ from .answer import CONSTRAINTS, Answer, AnswerPlan, Delta
 from .answer_parts import AnswerResult
 from .errors import ApiError
 from .openai_protocol import ChatCompletionRequest
-from .sse import open_stream, send_done, send_event
+from .sse import open_stream, send_done, send_error, send_event, stop_pumps
 
 
 def request_tools(req: ChatCompletionRequest) -> tuple[list[ToolFunction], ToolChoice]:
@@ -128,8 +128,7 @@ async def stream(request: web.Request, engine: Engine, plan: AnswerPlan, n: int,
             if response is None:
                 response = await open_stream(request)
             if isinstance(item, Exception):
-                status = 400 if isinstance(item, ValueError) else 500
-                await send_event(response, {"error": {"message": str(item), "code": status}})
+                await send_error(response, item)
                 break
             if isinstance(item, AnswerResult):
                 pending -= 1
@@ -139,9 +138,7 @@ async def stream(request: web.Request, engine: Engine, plan: AnswerPlan, n: int,
         await send_done(response)
         return response
     finally:
-        for pump in pumps:
-            pump.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
+        await stop_pumps(pumps)
 
 
 async def _pump(index: int, answer: Answer, queue: asyncio.Queue) -> None:

@@ -1,31 +1,45 @@
 """Role markers taken from the model's own chat template (the tokenizer's Jinja template, via transformers).
 
-A role's prefix and suffix are found by rendering a conversation whose message holds a sentinel and cutting
-the rendering at it, so the text a program builds with roles is what `apply_chat_template` gives for the same
-messages. The first message may differ (a BOS, a default system prompt the template inserts); both are found
-the same way.
+A role's markers are found by rendering short conversations whose messages hold sentinels and cutting the
+rendering at them, so the text a program builds with roles is what `apply_chat_template` gives for the same
+messages. Templates differ in what sits between two messages, so a role's prefix is kept per previous role:
+Gemma 3 folds the system message into the first user turn (nothing but a blank line between them), OLMo 2 ends an
+assistant turn with EOS and starts the next user turn with a newline. What a template appends only to a finished
+conversation (Phi-3's EOS, when no generation prompt follows) is left out of a role's suffix: the text a program
+continues from is the conversation so far, as a generation prompt would see it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SENTINEL = "\u2063furcate-content\u2063"
-# Conversations a role's message is appended to, to see its text when it is not the first message.
-CONTEXTS = {
-    "system": [[{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}], []],
-    "user": [[{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}],
-             [{"role": "system", "content": "A"}]],
-    "assistant": [[{"role": "user", "content": "A"}], [{"role": "system", "content": "A"}]],
-}
+SENTINELS = ("\u2063furcate-content-a\u2063", "\u2063furcate-content-b\u2063", "\u2063furcate-content-c\u2063")
+ROLES = ("system", "user", "assistant")
+# Conversations put before the messages being measured, so that templates that insist on an order (a user turn
+# first, roles alternating) render them.
+CONTEXTS: tuple[tuple[str, ...], ...] = ((), ("user",), ("user", "assistant"), ("system",), ("system", "user"))
+# What may follow a role's first message so that a template that renders nothing for it alone (Gemma 3's system
+# message, held until the user turn it is folded into) shows it.
+FOLLOWERS: tuple[tuple[str, ...], ...] = ((), ("user",), ("assistant",))
 
 
 @dataclass(frozen=True)
 class RoleMarkers:
-    first_prefix: str  # before the content when this role's message is the conversation's first
-    prefix: str  # before the content otherwise
+    first_prefix: str | None  # before the content of the conversation's first message; None: the template refuses
+    prefix: str  # before the content otherwise (after an assistant turn, or whatever previous role renders)
     suffix: str  # after the content
+    after: Mapping[str, str] = field(default_factory=dict)  # previous role -> the prefix after it, where it differs
+    refusal: str = ""  # why the template refuses a conversation this role opens
+
+    def prefix_after(self, previous: str | None) -> str:
+        """The text before this role's content when the message before it had role `previous` (None: none)."""
+        if previous is not None:
+            return self.after.get(previous, self.prefix)
+        if self.first_prefix is None:
+            raise ValueError(self.refusal)
+        return self.first_prefix
 
 
 @dataclass
@@ -35,6 +49,7 @@ class ChatTemplate:
     tokenizer: Any
     template: str | None = None
     _markers: dict[str, RoleMarkers] = field(default_factory=dict)
+    _suffixes: dict[str, str] = field(default_factory=dict)
     _default_system: str | None = None
     _default_system_known: bool = False
 
@@ -57,31 +72,85 @@ class ChatTemplate:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template)
 
     def _find_markers(self, role: str) -> RoleMarkers:
-        later = None
-        for context in CONTEXTS[role]:
-            try:
-                later = self._segment(context, role)
-                break
-            except (ValueError, Exception):  # noqa: BLE001 - templates raise anything on orders they refuse
-                continue
-        try:
-            first = self._segment([], role)
-        except Exception:  # noqa: BLE001 - a template that cannot render one role alone falls back to `later`
-            first = later
-        if later is None:
-            later = first
-        if first is None:
-            raise ValueError(f"the chat template cannot render a {role!r} message")
-        return RoleMarkers(first_prefix=first[0], prefix=later[0], suffix=later[1])
+        first = self._first_prefix(role)
+        after = {previous: between[len(self._suffix(previous)):] for previous in ROLES
+                 if (between := self._between(previous, role)) is not None
+                 and between.startswith(self._suffix(previous))}
+        suffix = self._suffix(role)
+        prefix = after.get("assistant", after.get("user", first))
+        if prefix is None:
+            raise ValueError(f"the chat template cannot render a {role!r} message{self._refusal(role)}")
+        refusal = "" if first is not None else (f"the chat template cannot open a conversation with a {role!r} "
+                                                f"message{self._refusal(role)}")
+        return RoleMarkers(first_prefix=first, prefix=prefix, suffix=suffix, after=after, refusal=refusal)
 
-    def _segment(self, context: list[dict[str, str]], role: str) -> tuple[str, str]:
-        """(prefix, suffix) around the content of a `role` message appended to `context`."""
-        base = self.render(context) if context else ""
-        full = self.render(context + [{"role": role, "content": SENTINEL}])
-        if not full.startswith(base) or full.count(SENTINEL) != 1:
-            raise ValueError(f"the chat template renders a {role!r} message in a way roles cannot follow")
-        prefix, suffix = full[len(base):].split(SENTINEL)
-        return prefix, suffix
+    def _first_prefix(self, role: str) -> str | None:
+        for followers in FOLLOWERS:
+            pieces = self._pieces((role, *followers))
+            if pieces is not None:
+                return pieces[0]
+        return None
+
+    def _between(self, previous: str, role: str) -> str | None:
+        """The text between a `previous` message's content and a `role` message's content right after it."""
+        for context in CONTEXTS:
+            pieces = self._pieces((*context, previous, role))
+            if pieces is not None:
+                return pieces[-2]
+        return None
+
+    def _after_last(self, role: str) -> str | None:
+        """The text after a `role` message's content when it ends the conversation."""
+        for context in CONTEXTS:
+            pieces = self._pieces((*context, role))
+            if pieces is not None:
+                return pieces[-1]
+        return None
+
+    def _suffix(self, role: str) -> str:
+        """What closes a `role` message whatever follows it: the text after it at the end of a conversation, less
+        an end-of-conversation EOS the text before a next message lacks. A role whose first message shows only
+        once another follows (folded into it) closes with nothing; its text goes to the next role's prefix."""
+        if role not in self._suffixes:
+            self._suffixes[role] = self._closing_text(role)
+        return self._suffixes[role]
+
+    def _closing_text(self, role: str) -> str:
+        folded = self._pieces((role,)) is None and self._first_prefix(role) is not None
+        last = None if folded else self._after_last(role)
+        if last is None:
+            return ""
+        followers = [between for nxt in ROLES if (between := self._between(role, nxt)) is not None]
+        eos = getattr(self.tokenizer, "eos_token", None) or ""
+        if eos and last.endswith(eos) and not all(text.startswith(last) for text in followers):
+            last = last[: -len(eos)]
+        return last
+
+    def _pieces(self, roles: tuple[str, ...]) -> list[str] | None:
+        """The rendering of a conversation of `roles` (each message's content a distinct sentinel) cut at the
+        sentinels: the text before the first, between each two, after the last. None: the template refuses that
+        conversation or does not show every message's content once, in order."""
+        contents = [SENTINELS[i % len(SENTINELS)] + str(i) for i in range(len(roles))]
+        try:
+            text = self.render([{"role": r, "content": c} for r, c in zip(roles, contents)])
+        except Exception:  # noqa: BLE001 - templates raise anything on orders they refuse
+            return None
+        pieces = []
+        for content in contents:
+            head, found, text = text.partition(content)
+            if not found or content in text:
+                return None
+            pieces.append(head)
+        return [*pieces, text]
+
+    def _refusal(self, role: str) -> str:
+        """The template's own words for why it refuses a conversation opened by `role` (Gemma 2: 'System role
+        not supported'), or nothing when it renders one."""
+        try:
+            self.render([{"role": role, "content": SENTINELS[0]}, {"role": "user", "content": SENTINELS[1]}])
+        except Exception as error:  # noqa: BLE001 - templates raise anything on orders they refuse
+            return f": {error}"
+        return ""
 
     def _find_default_system(self) -> str | None:
         try:
@@ -90,8 +159,21 @@ class ChatTemplate:
         except ValueError:
             return None
         head = system.first_prefix
-        tail = system.suffix + user.prefix
+        if head is None:
+            return None
+        tail = system.suffix + user.prefix_after("system")
         text = user.first_prefix
         if user.first_prefix == user.prefix or not text.startswith(head) or not text.endswith(tail):
             return None
-        return text[len(head): len(text) - len(tail)] or None
+        default = text[len(head): len(text) - len(tail)] or None
+        return default if default is not None and self._renders_as_default(default) else None
+
+    def _renders_as_default(self, default: str) -> bool:
+        """Whether the found default, sent back as a system message, renders as the template's own default does
+        (SmolLM3's removes '/think' from any system message, its own default's '</think>' included: there the
+        default stays part of the user's first prefix, not a message)."""
+        probe = {"role": "user", "content": SENTINELS[0]}
+        try:
+            return self.render([{"role": "system", "content": default}, probe]) == self.render([probe])
+        except Exception:  # noqa: BLE001 - templates raise anything on orders they refuse
+            return False

@@ -243,8 +243,8 @@ class Executor:
                 markers = template.markers("system")
                 self._append(markers.first_prefix + default_system + markers.suffix)
                 self.messages.append({"role": "system", "content": default_system})
-        markers = template.markers(expr.role)
-        self._append(markers.prefix if self.messages else markers.first_prefix)
+        previous = self.messages[-1]["role"] if self.messages else None
+        self._append(template.markers(expr.role).prefix_after(previous))
         self.role, self.role_begin = expr.role, len(self.text)
 
     async def _role_end(self, expr: RoleEnd) -> None:

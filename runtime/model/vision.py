@@ -17,6 +17,7 @@ count is its own. Their checkpoints are saved as `model.*` + `visual.*` or `mode
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,15 +27,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModel
-from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from ..messages import ImageSpan
 
+# Each architecture's vision tower in transformers: (module, class), imported only when a model needs it (the
+# modeling modules cost ~1.5 s to import, paid by every engine start otherwise).
 QWEN_TOWERS = {
-    "Qwen2VLForConditionalGeneration": Qwen2VisionTransformerPretrainedModel,
-    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VisionTransformerPretrainedModel,
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
 }
 # The text model's architecture; None: found by its config's model_type (LLaVA's may be any Llama-like model).
 VISION_ARCHITECTURES: dict[str, str | None] = {"LlavaForConditionalGeneration": None,
@@ -118,6 +118,8 @@ class LlavaEncoder(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.vision_tower = AutoModel.from_config(config.vision_config)
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
         self.multi_modal_projector = LlavaMultiModalProjector(config)
         self.feature_layer = config.vision_feature_layer
         self.strategy = config.vision_feature_select_strategy
@@ -152,7 +154,7 @@ class QwenVisionEncoder(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        self.visual = QWEN_TOWERS[vision_architecture(config)]._from_config(config.vision_config)
+        self.visual = qwen_tower_class(vision_architecture(config))._from_config(config.vision_config)
 
     @torch.inference_mode()
     def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
@@ -188,3 +190,8 @@ def _vision_tensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 ours = vision_weight_name(name)
                 if ours is not None:
                     yield ours, handle.get_tensor(name)
+
+
+def qwen_tower_class(architecture: str) -> type[nn.Module]:
+    family, name = QWEN_TOWERS[architecture]
+    return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)

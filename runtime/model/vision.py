@@ -193,5 +193,6 @@ def _vision_tensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def qwen_tower_class(architecture: str) -> type[nn.Module]:
+    """The transformers class of a Qwen-VL architecture's vision tower, its module imported now."""
     family, name = QWEN_TOWERS[architecture]
     return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)

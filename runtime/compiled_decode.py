@@ -79,9 +79,15 @@ class PoolDecodeAttention:
 
 
 def compilable(model) -> str | None:
-    """Why the model's decode cannot run compiled, or None. Sliding windows would need a mask per layer."""
-    if any(layer.self_attn.sliding_window is not None for layer in model.model.layers):
+    """Why the model's decode cannot run compiled, or None. Sliding windows and soft-capped scores would need
+    their own attention in the graph; LongRoPE's per-request factors a plan input."""
+    attention = [layer.self_attn for layer in model.model.layers]
+    if any(a.sliding_window is not None for a in attention):
         return "its layers have sliding windows"
+    if any(a.logit_cap is not None for a in attention):
+        return "its attention scores are soft-capped"
+    if model.model.rotary.long_after is not None:
+        return "its LongRoPE factors depend on each request's length"
     return None
 
 
@@ -109,8 +115,7 @@ class CompiledDecode:
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
               plan: DecodePlan, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> torch.Tensor:
         attn = PoolDecodeAttention(k_buffers, v_buffers, out_cache_loc, plan)
-        hidden = self.model.hidden(self.model.model.embed_tokens(input_ids), positions, attn)
-        return self.model.lm_head(hidden).float()
+        return self.model.logits(self.model.hidden(self.model.embed_ids(input_ids), positions, attn))
 
     def warm_up(self, quantized_max_rows: int) -> None:
         """Compile every graph now: batch 1, batches up to the quantized row limit, and bigger ones."""

@@ -56,10 +56,11 @@ CONFIGS = {
 }
 
 
-def build_tiny_model(arch: str, directory: Path, tokenizer_dir: Path, **overrides) -> Path:
-    """overrides: config fields to change (a kernel's supported head_dim, a smaller vocabulary)."""
+def build_tiny_model(arch: str, directory: Path, tokenizer_dir: Path, config=None, **overrides) -> Path:
+    """config: in place of CONFIGS[arch]'s; overrides: config fields to change (a kernel's supported head_dim, a
+    smaller vocabulary)."""
     torch.manual_seed(0)
-    config = CONFIGS[arch]()
+    config = config or CONFIGS[arch]()
     for name, value in overrides.items():
         setattr(config, name, value)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -217,7 +217,8 @@ def model_batches(steps: list, pools: tuple[ReqToTokenPool, TokenToKVPool]) -> l
 def compare_model_logits(arch: str) -> None:
     """A tiny random model's logits of every token of every step, with each backend over its own pools."""
     from furcate.runtime.attention.triton_backend import TritonAttention
-    from furcate.runtime.model.decoder import FAMILIES, DecoderForCausalLM
+    from furcate.runtime.model.decoder import DecoderForCausalLM
+    from furcate.runtime.model.families import FAMILIES
     from tiny_models import CONFIGS
 
     torch.manual_seed(0)

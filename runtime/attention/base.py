@@ -40,10 +40,17 @@ class ForwardBatch:
     # encoder), and those embeddings, (rows [R] device, values [R, hidden]), once the model runner computed them.
     images: list[ImagePiece] = field(default_factory=list)
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [B] host: the context length LongRoPE picks its factors by (Phi-3): a prompt's whole length while it is
+    # prefilled in chunks, so every chunk rotates as one whole prefill would. None: seq_lens.
+    context_lens: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
         return self.token_to_kv_pool.device
+
+    @property
+    def rope_context_lens(self) -> torch.Tensor:
+        return self.seq_lens if self.context_lens is None else self.context_lens
 
     @property
     def batch_size(self) -> int:
@@ -64,6 +71,7 @@ class ModelAttention:
     scaling: float
     dtype: torch.dtype
     windows: frozenset[int | None] = frozenset({None})  # the layers' sliding windows; None: full attention
+    logit_cap: float | None = None  # the layers' attention soft-capping (Gemma 2), None: none
 
 
 class AttentionBackend(Protocol):
@@ -83,6 +91,7 @@ class AttentionBackend(Protocol):
         layer_id: int,
         scaling: float,
         sliding_window: int | None,
+        logit_cap: float | None = None,  # tanh soft-capping of the scores (Gemma 2); passed only when set
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         ...
 

@@ -193,7 +193,7 @@ class FlashInferAttention:
     def _plan_options(self, pool: TokenToKVPool, window: int | None) -> dict:
         dtype = pool.k_buffer[0].dtype
         return dict(window_left=window_left(window), sm_scale=self.model.scaling, q_data_type=dtype,
-                    kv_data_type=dtype)
+                    kv_data_type=dtype, logits_soft_cap=self.model.logit_cap or 0.0)
 
     def _workspace(self, device: torch.device) -> torch.Tensor:
         if self.workspace is None:
@@ -267,9 +267,11 @@ class FlashInferAttention:
         layer_id: int,
         scaling: float,
         sliding_window: int | None,
+        logit_cap: float | None = None,
     ) -> torch.Tensor:
-        if scaling != self.model.scaling:
-            raise ValueError(f"layer {layer_id} scales by {scaling}, the plan by {self.model.scaling}")
+        if scaling != self.model.scaling or logit_cap != self.model.logit_cap:
+            raise ValueError(f"layer {layer_id} scales by {scaling} capped at {logit_cap}, the plan by "
+                             f"{self.model.scaling} capped at {self.model.logit_cap}")
         pool = self.batch.token_to_kv_pool
         pool.set_kv(layer_id, self.metadata.out_cache_loc, k, v)
         kv = (paged(pool.k_buffer[layer_id]), paged(pool.v_buffer[layer_id]))

@@ -66,12 +66,23 @@ def resolve_attention_backend(name: str, device: str) -> str:
 def make_attention_backend(name: str, device: str, model: ModelAttention | None = None):
     """A backend flagged `needs_model` plans batches before any layer runs, so it is built with the model's
     attention shape; the others learn what they need from each layer's call."""
-    backend = registry.resolve(KIND, resolve_attention_backend(name, device))
+    backend = registry.resolve(KIND, soft_cap_capable(name, resolve_attention_backend(name, device), model))
     if not getattr(backend, "needs_model", False):
         return backend()
     if model is None:
         raise ValueError(f"attention_backend {name!r} plans ahead and needs the model's attention shape")
     return backend(model)
+
+
+def soft_cap_capable(asked: str, resolved: str, model: ModelAttention | None) -> str:
+    """Triton's kernels have no soft-capping of attention scores: auto falls back on torch_native for a model
+    whose layers cap them (Gemma 2), and asking for triton by name is refused."""
+    if resolved != "triton" or model is None or model.logit_cap is None:
+        return resolved
+    if asked == AUTO:
+        return "torch_native"
+    raise ValueError("attention_backend 'triton' cannot soft-cap attention scores, which this model's layers do; "
+                     "use 'flashinfer' or 'torch_native'")
 
 
 def _auto(device: str) -> str:

@@ -161,18 +161,19 @@ class TorchNativeAttention:
         layer_id: int,
         scaling: float,
         sliding_window: int | None,
+        logit_cap: float | None = None,
     ) -> torch.Tensor:
         batch = self.batch
         batch.token_to_kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if len(self.buckets) == 1:
-            return self._attend(self.buckets[0], q, layer_id, scaling, sliding_window)
+            return self._attend(self.buckets[0], q, layer_id, scaling, sliding_window, logit_cap)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for bucket in self.buckets:
-            out[bucket.tokens] = self._attend(bucket, q[bucket.tokens], layer_id, scaling, sliding_window)
+            out[bucket.tokens] = self._attend(bucket, q[bucket.tokens], layer_id, scaling, sliding_window, logit_cap)
         return out
 
     def _attend(self, bucket: Bucket, q: torch.Tensor, layer_id: int, scaling: float,
-                sliding_window: int | None) -> torch.Tensor:
+                sliding_window: int | None, logit_cap: float | None) -> torch.Tensor:
         """q: the bucket's packed queries [T, H, D]; returns [T, H * D]."""
         pool = self.batch.token_to_kv_pool
         bsz, max_q, num_heads, head_dim = bucket.size, bucket.max_q, q.shape[1], q.shape[2]
@@ -185,12 +186,13 @@ class TorchNativeAttention:
         # [B*max_q, Hkv*G, D] -> [B, Hkv, G*max_q, D]
         grouped = q.view(bsz, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(bsz, num_kv_heads, group * max_q, head_dim)
-        if bucket.shared_len and sliding_window is None:
+        if bucket.shared_len and sliding_window is None and logit_cap is None:
             out = self._attend_cascade(bucket, grouped, layer_id, scaling, group)
         else:
             keys, values = pool.gather(layer_id, bucket.kv_index)  # [B, max_k, Hkv, D]
-            out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
-                                                 attn_mask=bucket.mask(sliding_window, group), scale=scaling)
+            attend = F.scaled_dot_product_attention if logit_cap is None else soft_capped_attention(logit_cap)
+            out = attend(grouped, keys.transpose(1, 2), values.transpose(1, 2),
+                         attn_mask=bucket.mask(sliding_window, group), scale=scaling)
         out = out.view(bsz, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(bsz * max_q, num_heads * head_dim)
         return out if max_q == 1 else out[bucket.q_dest]
@@ -212,3 +214,17 @@ class TorchNativeAttention:
         out_suffix, lse_suffix = attend_with_lse(grouped, suffix_k.transpose(1, 2), suffix_v.transpose(1, 2),
                                                  scaling, suffix_mask)
         return merge(out_prefix, lse_prefix, out_suffix, lse_suffix)
+
+
+def soft_capped_attention(cap: float):
+    """SDPA's signature for attention whose scores are soft-capped, cap * tanh(s / cap), before the mask (Gemma 2;
+    SDPA has no such hook). The arithmetic order of HF's eager Gemma 2 attention; softmax in float32."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+    return attend

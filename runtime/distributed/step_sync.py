@@ -30,8 +30,9 @@ class StepHeader:
 
     @property
     def sizes(self) -> list[int]:
-        # input_ids, positions, out_cache_loc; req_pool_indices, prefix_lens, extend_lens, seq_lens; rows; table.
-        return [self.tokens] * 3 + [self.requests] * 4 + [self.logit_rows, self.table_entries]
+        # input_ids, positions, out_cache_loc; req_pool_indices, prefix_lens, extend_lens, seq_lens, context_lens;
+        # rows; table.
+        return [self.tokens] * 3 + [self.requests] * 5 + [self.logit_rows, self.table_entries]
 
 
 def _used(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -49,7 +50,8 @@ def snapshot_table(forward: ForwardBatch) -> None:
 def send_step(forward: ForwardBatch, logit_rows: torch.Tensor, pipes: list[Connection], device: str) -> None:
     """Rank 0: tell every follower the sizes, then broadcast the packed step (from `device`: NCCL needs it there)."""
     parts = [forward.input_ids, forward.positions, forward.out_cache_loc, forward.req_pool_indices,
-             forward.prefix_lens, forward.extend_lens, forward.seq_lens, logit_rows, forward.tp_table]
+             forward.prefix_lens, forward.extend_lens, forward.seq_lens, forward.rope_context_lens, logit_rows,
+             forward.tp_table]
     header = StepHeader(len(forward.input_ids), len(forward.seq_lens), len(logit_rows), len(forward.tp_table))
     for pipe in pipes:
         pipe.send(header)
@@ -64,12 +66,12 @@ def receive_step(header: StepHeader, req_pool: ReqToTokenPool, kv_pool: TokenToK
     dist.broadcast(packed, src=0)
     (input_ids, positions, out_cache_loc, *on_host, logit_rows, table) = packed.split(header.sizes)
     # The per-request layout and the table are host bookkeeping, as on rank 0 (attention/base.py).
-    req_pool_indices, prefix_lens, extend_lens, seq_lens = (part.cpu() for part in on_host)
+    req_pool_indices, prefix_lens, extend_lens, seq_lens, context_lens = (part.cpu() for part in on_host)
     table = table.cpu()
     width = int(seq_lens.max())
     rows = req_pool.req_to_token[req_pool_indices, :width]
     rows[_used(seq_lens, width)] = table
     req_pool.req_to_token[req_pool_indices, :width] = rows
     forward = ForwardBatch(input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, extend_lens, seq_lens,
-                           req_pool, kv_pool)
+                           req_pool, kv_pool, context_lens=context_lens)
     return forward, logit_rows

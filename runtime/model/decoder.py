@@ -1,13 +1,12 @@
-"""One decoder-only transformer that covers the Llama family; each architecture is a set of flags.
+"""One decoder-only transformer for every dense family; each architecture is a set of flags (families.py).
 
-Families differ only in attention biases, q/k norm and sliding windows, so one implementation with flags keeps
-every architecture on the same, tested forward path.
+Families differ in biases, norms and their placement, activation, rotary, windows and a few multipliers, so one
+implementation with flags keeps every architecture on the same, tested forward path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -15,24 +14,9 @@ from torch import nn
 from ..attention.base import AttentionBackend, ForwardBatch
 from ..distributed.parallel_state import SINGLE, TensorParallel
 from ..distributed.tp_layers import embedding, lm_head, shard_tensor
-from .layers import Attention, GatedMLP, RMSNorm, rotary_embedding
-
-
-@dataclass(frozen=True)
-class Family:
-    qkv_bias: bool | None  # None: read config.attention_bias
-    o_bias: bool | None
-    qk_norm: bool = False
-    # Mistral-style configs carry a model-wide sliding_window with no per-layer types.
-    window_from_config: bool = False
-
-
-FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(qkv_bias=None, o_bias=None),
-    "MistralForCausalLM": Family(qkv_bias=False, o_bias=False, window_from_config=True),
-    "Qwen2ForCausalLM": Family(qkv_bias=True, o_bias=False),
-    "Qwen3ForCausalLM": Family(qkv_bias=None, o_bias=False, qk_norm=True),
-}
+from .families import Family, Scales, layer_window
+from .layers import Attention, AttentionSpec, GatedMLP, RMSNorm, attention_shape
+from .rotary import CosSin, LayerRotary
 
 # HF checkpoint names that we store fused: (fused parameter, shard index).
 STACKED = {
@@ -42,35 +26,59 @@ STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Block norms by layout (families.Family.layout): the checkpoint names each layer has.
+LAYOUT_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
 
 
-def layer_window(config, family: Family, layer_id: int) -> int | None:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return config.sliding_window if layer_types[layer_id] == "sliding_attention" else None
-    return getattr(config, "sliding_window", None) if family.window_from_config else None
+def attention_spec(config, family: Family, scales: Scales, layer_id: int) -> AttentionSpec:
+    bias = bool(getattr(config, "attention_bias", False))
+    return AttentionSpec(
+        qkv_bias=bias if family.qkv_bias is None else family.qkv_bias,
+        o_bias=bias if family.o_bias is None else family.o_bias,
+        qk_norm=family.qk_norm,
+        norm_style=family.norm_style,
+        scaling=scales.attention,
+        logit_cap=scales.attention_logit_cap,
+        sliding_window=layer_window(config, family, layer_id),
+    )
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, family: Family, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        self.self_attn = Attention(
-            config,
-            layer_id,
-            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
-            o_bias=attention_bias if family.o_bias is None else family.o_bias,
-            qk_norm=family.qk_norm,
-            sliding_window=layer_window(config, family, layer_id),
-            tp=tp,
-        )
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        scales = family.scales(config)
+        self.layout, self.residual_scale = family.layout, scales.residual
+        self.self_attn = Attention(config, layer_id, attention_spec(config, family, scales, layer_id), tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
+                            tp, getattr(config, family.activation_field))
+        for name in LAYOUT_NORMS[family.layout]:
+            setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, family.norm_style))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, rotary: CosSin | None, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.scaled(self.attention_block(x, rotary, attn))
+        return x + self.scaled(self.mlp_block(x))
+
+    def attention_block(self, x: torch.Tensor, rotary: CosSin | None, attn: AttentionBackend) -> torch.Tensor:
+        if self.layout == "pre":
+            return self.self_attn(self.input_layernorm(x), rotary, attn)
+        if self.layout == "sandwich":
+            x = self.input_layernorm(x)
+        return self.post_attention_layernorm(self.self_attn(x, rotary, attn))
+
+    def mlp_block(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "pre":
+            return self.mlp(self.post_attention_layernorm(x))
+        if self.layout == "sandwich":
+            x = self.pre_feedforward_layernorm(x)
+        return self.post_feedforward_layernorm(self.mlp(x))
+
+    def scaled(self, block_output: torch.Tensor) -> torch.Tensor:
+        return block_output if self.residual_scale is None else block_output * self.residual_scale
 
 
 class DecoderModel(nn.Module):
@@ -78,9 +86,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, family, i, tp) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = rotary_embedding(config, head_dim)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, family.norm_style)
+        self.rotary = LayerRotary(config, attention_shape(config)[2])
 
 
 class DecoderForCausalLM(nn.Module):
@@ -89,8 +96,8 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, config, family: Family, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.tp = tp
+        self.config, self.family, self.tp = config, family, tp
+        self.scales = family.scales(config)
         self.model = DecoderModel(config, family, tp)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
         if getattr(config, "tie_word_embeddings", False):
@@ -99,36 +106,60 @@ class DecoderForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         attn.begin_forward(batch)
-        return self.hidden(self.embed(batch), batch.positions, attn)
+        return self.hidden(self.embed(batch), batch.positions, attn, self.long_rope_rows(batch))
 
-    def hidden(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def long_rope_rows(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """LongRoPE: the tokens of requests whose context outgrew the original one (they rotate by the long
+        factors, as HF's model does once its input is that long); None for every other rotary."""
+        long_after = self.model.rotary.long_after
+        if long_after is None:
+            return None
+        per_token = torch.repeat_interleave(batch.rope_context_lens > long_after, batch.extend_lens)
+        return per_token.to(batch.positions.device)
+
+    def hidden(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+               long_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of embedded tokens x at `positions`: the layers, then the last norm (what a
         compiled decode step traces, runtime/compiled_decode.py)."""
-        cos, sin = self.model.rotary(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
+        rotary = self.model.rotary(positions, x.dtype, long_rows)
+        for layer, layer_rotary in zip(self.model.layers, rotary):
+            x = layer(x, layer_rotary, attn)
         return self.model.norm(x)
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """Token embeddings; rows that show an image take the image encoder's (their ids are hash pads past
         the vocabulary, looked up as token 0 and overwritten)."""
         if batch.image_embeds is None:
-            return self.model.embed_tokens(batch.input_ids)
-        ids = batch.input_ids.masked_fill(batch.input_ids >= self.config.vocab_size, 0)
-        x = self.model.embed_tokens(ids)
+            return self.embed_ids(batch.input_ids)
+        x = self.embed_ids(batch.input_ids.masked_fill(batch.input_ids >= self.config.vocab_size, 0))
         rows, values = batch.image_embeds
         x[rows] = values.to(x.dtype)
         return x
 
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(ids)
+        if self.scales.embed is None:
+            return x
+        # In the weights' dtype, as HF rounds Gemma's sqrt(hidden) before multiplying.
+        return x * torch.tensor(self.scales.embed, dtype=x.dtype)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits, divided (Granite) or soft-capped (Gemma 2) where the family does."""
+        logits = self.lm_head(hidden).float()
+        if self.scales.logit_divisor is not None:
+            logits = logits / self.scales.logit_divisor
+        cap = self.scales.final_logit_cap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters; every parameter must be covered."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.unfused(weights):
             place = self.destination(name)
             if place is None:
                 continue
@@ -136,13 +167,41 @@ class DecoderForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             if self.tp.size > 1:
-                tensor = shard_tensor(name, tensor, self.tp)
+                tensor = self.shard(name, tensor)
             with torch.no_grad():
                 (params[target] if rows is None else params[target].narrow(0, *rows)).copy_(tensor)
             loaded.add(target)
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:8]}")
+
+    def unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoints that store q/k/v or gate/up fused (Phi-3) split into the HF names of their parts, so the
+        parts are placed and sharded as every other family's are."""
+        for name, tensor in weights:
+            parts = self.fused_parts(name)
+            if parts is None:
+                yield name, tensor
+                continue
+            sizes = [size for _, size in parts]
+            for (part, _), piece in zip(parts, tensor.split(sizes, dim=0)):
+                yield name.replace(FUSED_CHECKPOINT[part], f".{part}."), piece
+
+    def fused_parts(self, name: str) -> list[tuple[str, int]] | None:
+        """(HF part name, rows) of a fused checkpoint tensor, or None for any other tensor."""
+        num_heads, num_kv_heads, head_dim = attention_shape(self.config)
+        if ".self_attn.qkv_proj." in name:
+            return [("q_proj", num_heads * head_dim), ("k_proj", num_kv_heads * head_dim),
+                    ("v_proj", num_kv_heads * head_dim)]
+        if ".mlp.gate_up_proj." in name:
+            return [("gate_proj", self.config.intermediate_size), ("up_proj", self.config.intermediate_size)]
+        return None
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part; q/k norms over whole projections are split by heads, as their projections are."""
+        if self.family.qk_norm == "projection" and (".q_norm." in name or ".k_norm." in name):
+            return tensor.chunk(self.tp.size, dim=0)[self.tp.rank]
+        return shard_tensor(name, tensor, self.tp)
 
     def destination(self, name: str) -> tuple[str, tuple[int, int] | None] | None:
         """Where HF checkpoint tensor `name` goes: our parameter, and its (start, length) rows in a fused one.
@@ -162,6 +221,11 @@ class DecoderForCausalLM(nn.Module):
             size = self.model.layers[0].mlp.intermediate_size
             sizes = [size, size]
         return sum(sizes[:shard]), sizes[shard]
+
+
+# Where a fused checkpoint tensor's part names sit (see DecoderForCausalLM.unfused).
+FUSED_CHECKPOINT = {"q_proj": ".qkv_proj.", "k_proj": ".qkv_proj.", "v_proj": ".qkv_proj.",
+                    "gate_proj": ".gate_up_proj.", "up_proj": ".gate_up_proj."}
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -10,7 +10,8 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from ..distributed.parallel_state import SINGLE, TensorParallel
-from .decoder import FAMILIES, DecoderForCausalLM
+from .decoder import DecoderForCausalLM
+from .families import FAMILIES, MODEL_TYPES, refusal
 from .vision import text_config, text_weight_name, vision_architecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,6 +40,9 @@ def load_config(model_path: str):
     if architecture is None:
         raise ValueError(f"unsupported architecture {config.architectures or config.model_type!r}; "
                          f"furcate runs {sorted(FAMILIES)}")
+    why_not = refusal(config)
+    if why_not:
+        raise ValueError(f"{architecture}: {why_not}")
     return config
 
 
@@ -47,8 +51,7 @@ def architecture_of(config) -> str | None:
     for name in getattr(config, "architectures", None) or []:
         if name in FAMILIES:
             return name
-    by_model_type = {name.removesuffix("ForCausalLM").lower(): name for name in FAMILIES}
-    return by_model_type.get(config.model_type) if not getattr(config, "architectures", None) else None
+    return MODEL_TYPES.get(config.model_type) if not getattr(config, "architectures", None) else None
 
 
 def resolve_dtype(dtype: str, config, device: str = "cpu") -> torch.dtype:

@@ -96,6 +96,7 @@ def build_batch(slices: list[ReqSlice], req_pool: ReqToTokenPool, kv_pool: Token
         prefix_lens=starts,
         extend_lens=extend_lens,
         seq_lens=starts + extend_lens,
+        context_lens=torch.tensor([max(s.start + s.length, len(s.req.input_ids)) for s in slices], **host),
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
         images=images,

@@ -271,7 +271,8 @@ def model_attention(model, dtype: torch.dtype) -> ModelAttention:
     """This rank's attention shape, for backends that plan a batch before its layers run."""
     layers = [layer.self_attn for layer in model.model.layers]
     return ModelAttention(num_heads=layers[0].num_heads, head_dim=layers[0].head_dim, scaling=layers[0].scaling,
-                          dtype=dtype, windows=frozenset(a.sliding_window for a in layers))
+                          dtype=dtype, windows=frozenset(a.sliding_window for a in layers),
+                          logit_cap=layers[0].logit_cap)
 
 
 def available_memory_bytes() -> int:

@@ -1,0 +1,96 @@
+"""Gemma 2/3, Phi-3 (LongRoPE) and Phi-4-mini (partial rotary), SmolLM3 (NoPE layers), OLMo 2 and Granite: greedy
+output equals HF transformers' on tiny random weights in float32 with the radix cache on (chunked prefill, cache
+hits) and off, and with tensor parallelism over two processes; unsupported architectures are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import EXACT, NO_GRAMMAR, HFReference, assert_pool_free, engine_starting
+from furcate.runtime.model.loader import load_config
+from test_greedy_matches_hf import make_prompts
+from tiny_families import FAMILY_NAMES, TP_FAMILIES, build_family_model
+
+# 28 to 85 tokens, then two of a few: with Phi-3's LongRoPE original context of 24 the long ones rotate by the long
+# factors from their first token and the short ones stay within the short factors' range to their last.
+PROMPTS = make_prompts(8, seed=5) + ["the", "river of stone"]
+# A shared opening so the second pass over the prompts hits the radix cache.
+OPENING = "old machines sang over the quiet river of stone, and when the light came "
+CACHED_PROMPTS = [OPENING + p for p in PROMPTS[:4]]
+PARAMS = [{"max_new_tokens": 5 + 3 * i if i < 8 else 8, "temperature": 0.0, "ignore_eos": True}
+          for i in range(len(PROMPTS))]
+ENGINE_ARGS = {**EXACT, **NO_GRAMMAR, "max_total_tokens": 3000, "torch_num_threads": 2}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("families")
+    return {family: build_family_model(family, root / family, default_model_dir) for family in FAMILY_NAMES}
+
+
+@pytest.fixture(scope="module")
+def expected(family_dirs, tokenizer):
+    """HF's greedy outputs per family, for PROMPTS then CACHED_PROMPTS (computed once, on first use)."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in cache:
+            hf = HFReference(family_dirs[family])
+            prompts = PROMPTS + CACHED_PROMPTS
+            cache[family] = [hf.greedy(tokenizer.encode(p), n["max_new_tokens"])
+                             for p, n in zip(prompts, PARAMS + PARAMS[:4])]
+        return cache[family]
+
+    return get
+
+
+def generate_all(engine) -> tuple[list[list[int]], list[dict]]:
+    """PROMPTS together, then the prompts behind one opening: the first caches it, the others hit it."""
+    outputs = [r["output_ids"] for r in engine.generate(PROMPTS, PARAMS)]
+    first = engine.generate(CACHED_PROMPTS[0], PARAMS[0])
+    rest = engine.generate(CACHED_PROMPTS[1:], PARAMS[1:4])
+    return outputs + [first["output_ids"]] + [r["output_ids"] for r in rest], [r["meta_info"] for r in rest]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_family_greedy_equals_hf(family, family_dirs, expected):
+    """Radix on with prefill in chunks of 16 (prompts run to ~90 tokens), then radix off with whole prefills."""
+    with engine_starting(str(family_dirs[family]), **ENGINE_ARGS, chunked_prefill_size=16,
+                         max_running_requests=4) as started:
+        reference = expected(family)
+        engine = started()
+        outputs, cached_meta = generate_all(engine)
+        assert outputs == reference
+        assert all(meta["cached_tokens"] >= 10 for meta in cached_meta), cached_meta
+        assert_pool_free(engine)
+    with engine_starting(str(family_dirs[family]), **ENGINE_ARGS, disable_radix_cache=True) as started:
+        engine = started()
+        assert generate_all(engine)[0] == reference
+
+
+@pytest.mark.parametrize("family", TP_FAMILIES)
+def test_family_tensor_parallel_greedy_equals_hf(family, family_dirs, expected):
+    with engine_starting(str(family_dirs[family]), **ENGINE_ARGS | {"torch_num_threads": 1}, tp_size=2,
+                         chunked_prefill_size=16) as started:
+        reference = expected(family)
+        engine = started()
+        assert generate_all(engine)[0] == reference
+        assert_pool_free(engine)
+
+
+def test_unsupported_architecture_is_refused_with_the_list(family_dirs, tmp_path):
+    config = json.loads((family_dirs["olmo2"] / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"unsupported architecture.*Gemma2ForCausalLM.*Olmo2ForCausalLM"):
+        load_config(str(tmp_path))
+
+
+def test_bidirectional_gemma_is_refused(family_dirs, tmp_path):
+    config = json.loads((family_dirs["gemma3"] / "config.json").read_text())
+    config["use_bidirectional_attention"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="bidirectional attention"):
+        load_config(str(tmp_path))

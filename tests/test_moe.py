@@ -41,6 +41,15 @@ CASE_IDS = [family + "".join(f"-{key}={value}" for key, value in overrides.items
 TOKENS = (1, 7, 33)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The blocks are tiny: more threads only contend (the module took 3x longer on a busy 2-core machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def hf_block(family: str, implementation: str = "grouped_mm", **overrides) -> tuple[torch.nn.Module, object]:
     """HF's block of a tiny config with random weights (initializer_range's scale), and the config."""
     _, block_class, make_config = FAMILIES[family]

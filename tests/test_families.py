@@ -1,15 +1,18 @@
 """Gemma 2/3, Phi-3 (LongRoPE) and Phi-4-mini (partial rotary), SmolLM3 (NoPE layers), OLMo 2 and Granite: greedy
 output equals HF transformers' on tiny random weights in float32 with the radix cache on (chunked prefill, cache
-hits) and off, and with tensor parallelism over two processes; unsupported architectures are refused by name."""
+hits) and off, and with tensor parallelism over two processes; bfloat16 within test_bf16's tolerance of HF
+bfloat16; unsupported architectures are refused by name."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from conftest import EXACT, NO_GRAMMAR, HFReference, assert_pool_free, engine_starting
 from furcate.runtime.model.loader import load_config
+from test_bf16 import BF16_LOGPROB_TOLERANCE, _compare, _engine_prompt_logprobs, _hf_bf16
 from test_greedy_matches_hf import make_prompts
 from tiny_families import FAMILY_NAMES, TP_FAMILIES, build_family_model
 
@@ -78,6 +81,30 @@ def test_family_tensor_parallel_greedy_equals_hf(family, family_dirs, expected):
         engine = started()
         assert generate_all(engine)[0] == reference
         assert_pool_free(engine)
+
+
+# Families whose bfloat16 arithmetic differs from Llama's: Gemma's norms in float32 around (1 + w) and its soft caps,
+# OLMo 2's norm rounding after the weight, Granite's multipliers.
+BF16_FAMILIES = ("gemma2", "gemma3", "granite", "olmo2")
+
+
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+def test_family_in_bf16_stays_within_tolerance_of_hf_bf16(family, family_dirs):
+    """Within test_bf16's tolerance of HF bfloat16, or (OLMo 2's tiny post-norm model, whose bfloat16 logprobs
+    HF's own eager path puts 0.12 from float32) no further from HF float32 than HF bfloat16 is."""
+    ids = list(range(300, 340))
+    with engine_starting(str(family_dirs[family]), dtype="bfloat16", max_total_tokens=1000, torch_num_threads=2,
+                         **NO_GRAMMAR) as started:
+        reference = _hf_bf16(family_dirs[family], ids, 8)  # while the engine starts
+        float32 = HFReference(family_dirs[family]).logprobs(ids)
+        engine = started()
+        worst, agreement = _compare(engine, reference, ids, 8)
+        ours = torch.tensor(_engine_prompt_logprobs(engine, ids))
+    exact = torch.tensor([float32[i - 1, ids[i]].item() for i in range(1, len(ids))])
+    ours_error, hf_error = (ours - exact).abs().max().item(), (reference[0] - exact).abs().max().item()
+    print(f"{family}: max |logprob diff| {worst:.4f} (from float32: ours {ours_error:.4f}, HF bf16 "
+          f"{hf_error:.4f}), greedy agreement {agreement:.2f}")
+    assert worst < BF16_LOGPROB_TOLERANCE or ours_error <= hf_error
 
 
 def test_unsupported_architecture_is_refused_with_the_list(family_dirs, tmp_path):

@@ -17,6 +17,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from conftest import EXACT, NO_GRAMMAR, assert_pool_free, engine_starting, engines_side_by_side
 from furcate.runtime.model.default_model import find_default_gguf, prepare_gguf_model, prepare_user_gguf
+from furcate.runtime.model.quantize import gguf_block_weights
 from furcate.runtime.model.quantized import Int4Linear, read_blocks
 from tiny_gguf_families import CONFIGS, build_hf_model, quantize_q4_k, quantize_q6_k, write_gguf
 
@@ -137,6 +138,7 @@ def test_a_truncated_file_is_a_clear_error(families, tmp_path, keep):
 
 
 # Q4_K and Q6_K: rows of 256-weight super-blocks.
+K_WIDTH = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
 
 def _weights(rows: int, cols: int) -> np.ndarray:
     rng = np.random.default_rng(3)
@@ -175,8 +177,21 @@ def test_q4_k_on_the_int4_kernel_rounds_only_its_scales_to_bfloat16():
     assert (layer(x) - x @ exact.T).abs().max() <= 0.02 * (x @ exact.T).abs().max()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_quantized_blocks_are_the_converted_tensors(arch, tmp_path):
+    """The quantized path names and orders rows as the conversion does: llama's q/k unpermuted, qwen3's and
+    Phi-3's fused ones as written."""
+    # The tiny Phi-3's LongRoPE factors are for head_dim 16; these heads are 64 wide.
+    plain_rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}} if arch == "phi3" else {}
+    model = build_hf_model(arch, **K_WIDTH, **plain_rope)
+    gguf = write_gguf(model, arch, tmp_path / f"{arch}.gguf", find_default_gguf(), types=lambda name: Q.Q4_K)
+    dense = load_file(prepare_gguf_model(gguf, arch, str(tmp_path), progress=None) / "model.safetensors")
+    blocks = gguf_block_weights(gguf)
+    assert sorted(blocks) == sorted(name for name, t in dense.items() if t.dim() == 2)
+    assert all(torch.equal(b.dequantize(), dense[name]) for name, b in blocks.items())
+
+
 # A Q4_K_M-like mix: layer 0's attn_v and ffn_down and the LM head Q6_K, every other 2-D weight Q4_K.
-K_WIDTH = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
 
 
 def _k_type(name: str) -> Q:

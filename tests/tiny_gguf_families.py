@@ -171,6 +171,8 @@ def _as_written(arch: str, config: PretrainedConfig, name: str, data: np.ndarray
 
 def _phi3_factors(config: PretrainedConfig) -> list[tuple[str, np.ndarray]]:
     rope = config.rope_parameters
+    if rope.get("rope_type") != "longrope":
+        return []
     return [(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
             for kind in ("long", "short")]
 

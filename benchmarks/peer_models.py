@@ -7,9 +7,8 @@ tied embeddings, rope theta 500000, RMS eps 1e-5, context 131072) with two diffe
     3's 128256: llama.cpp needs a working tokenizer in the file, and the workloads are SmolLM2 token ids. The
     model has 1.07B parameters instead of 1.24B; its tied LM head is 101M of them instead of 263M.
   - no llama3 rope scaling: llama.cpp takes it as a `rope_freqs.weight` tensor, which furcate's GGUF converter
-    has no name for (gguf_names.hf_name raises KeyError 'rope_freqs') and whose scaling its LlamaConfig would
-    not carry either. The scaling changes rotary frequencies, not the cost of a step, so every system runs
-    plain rope theta 500000.
+    leaves out (as transformers' GGUF loading does), so its LlamaConfig would not carry the scaling. The
+    scaling changes rotary frequencies, not the cost of a step, so every system runs plain rope theta 500000.
 Weights are normal with std 0.02 (norm weights 1), which keeps the activations of 16 random layers finite. Every
 2-D weight is stored as Q4_0 (or Q4_1), token_embd included, as `llama-quantize --pure` writes it (a plain
 llama-quantize run would give a tied token_embd Q6_K, the way SmolLM2's file has it Q8_0); the norms stay F32,

@@ -13,7 +13,7 @@ from benchmarks.precision_quality import chat_ids, greedy, measure, reference_lo
 from conftest import NO_GRAMMAR, assert_pool_free, engines_side_by_side
 from furcate import Engine
 from furcate.runtime.model.default_model import find_default_gguf, prepare_user_gguf
-from furcate.runtime.model.gguf_names import hf_name, unpermute_rope
+from furcate.runtime.model.gguf_arch import ARCHS, unpermute_rope
 from furcate.runtime.model.kernel_choice import ROW_LADDER, small_batch_rows
 from furcate.runtime.model.loader import load_model
 from furcate.runtime.model.quantize import gguf_block_weights, measured_quantization
@@ -32,7 +32,7 @@ def test_blocks_dequantize_as_gguf_does(tiny_gguf):
     heads = {"q_proj": HEADS, "k_proj": KV_HEADS}
     seen = set()
     for tensor in GGUFReader(tiny_gguf).tensors:
-        name = hf_name(tensor.name)
+        name = ARCHS["llama"].hf_name(tensor.name)
         if tensor.tensor_type.name == "F32":
             assert name not in blocks
             continue

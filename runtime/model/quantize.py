@@ -1,16 +1,17 @@
 """Run a GGUF's quantized tensors quantized: replace each linear layer whose checkpoint tensors are all of a type
-quantized.py has a kernel for, keeping the GGUF's own blocks (no requantization for Q4_0/Q4_1)."""
+quantized.py has a kernel for, keeping the GGUF's own blocks (no requantization for Q4_0/Q4_1/Q4_K). Tensors of
+other types (Q6_K, say) load dense, dequantized by the conversion."""
 
 from __future__ import annotations
 
 import pathlib
 
-from gguf import GGUFReader
+from gguf.gguf_reader import ReaderTensor
 from torch import nn
 
 from .decoder import STACKED, DecoderForCausalLM
 from .default_model import gguf_source
-from .gguf_names import hf_name, rope_row_order
+from .gguf_arch import GGUFArch, GGUFMeta, gguf_arch, open_gguf, rope_row_order
 from .kernel_choice import ROW_LADDER, small_batch_rows
 from .quantized import (
     SUPPORTED_TYPES,
@@ -28,27 +29,23 @@ FUSED_PARTS = {fused: [proj for proj, (target, _) in sorted(STACKED.items(), key
 
 
 def gguf_block_weights(gguf_path: str | pathlib.Path) -> dict[str, BlockWeights]:
-    """HF tensor name -> blocks, for every tensor of a supported quantized type (q/k rows in HF's rope order)."""
-    reader = GGUFReader(gguf_path)
-    heads = {"q_proj": _field(reader, "llama.attention.head_count"),
-             "k_proj": _field(reader, "llama.attention.head_count_kv")}
+    """HF tensor name -> blocks, for every tensor of a supported quantized type (rows in HF's order: the
+    architecture's rope-permuted tensors unpermuted, as the converted directory has them)."""
+    reader, meta = open_gguf(gguf_path)
+    arch = gguf_arch(meta)
     weights = {}
     for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        if kind not in SUPPORTED_TYPES:
-            continue
-        cols, rows = (int(n) for n in tensor.shape[:2])  # GGUF lists the fastest-varying dimension first
-        blocks = read_blocks(kind, tensor.data, rows, cols)
-        name = hf_name(tensor.name)
-        proj = name.split(".")[-2]
-        if proj in heads:
-            blocks = blocks.take_rows(rope_row_order(rows, heads[proj]))
-        weights[name] = blocks
+        name = arch.hf_name(tensor.name)
+        if tensor.tensor_type.name in SUPPORTED_TYPES and name is not None:
+            weights[name] = _hf_blocks(arch, meta, tensor)
     return weights
 
 
-def _field(reader: GGUFReader, key: str) -> int:
-    return int(reader.fields[key].contents())
+def _hf_blocks(arch: GGUFArch, meta: GGUFMeta, tensor: ReaderTensor) -> BlockWeights:
+    cols, rows = (int(n) for n in tensor.shape[:2])  # GGUF lists the fastest-varying dimension first
+    blocks = read_blocks(tensor.tensor_type.name, tensor.data, rows, cols)
+    heads = arch.rope_heads(tensor.name, meta)
+    return blocks.take_rows(rope_row_order(rows, heads)) if heads else blocks
 
 
 def source_tensors(model: DecoderForCausalLM, module_name: str) -> list[str]:

@@ -1,11 +1,14 @@
 """Weight-only quantized linear layers on torch's CPU kernels, built from a GGUF's blocks without a float detour.
 
 GGUF stores a row in blocks of 32 weights sharing a scale (and, for Q4_1, a minimum): w = q * scale + offset.
-Q4_0 and Q4_1 map exactly onto torch's int4 kernel with groups of 32, whose dequantization is
-(q - 8) * scale + zero, so zero = offset + 8 * scale. Q8_0's per-block scales have no int8 kernel in torch
+Q4_K's 256-weight super-blocks are eight such groups whose scale and offset are 6-bit multiples of two float16
+numbers per super-block. Q4_0, Q4_1 and Q4_K map exactly onto torch's int4 kernel with groups of 32, whose
+dequantization is (q - 8) * scale + zero, so zero = offset + 8 * scale; the kernel keeps scale and zero in
+bfloat16, one rounding of each (for Q4_K as for Q4_1). Q8_0's per-block scales have no int8 kernel in torch
 (`_weight_int8pack_mm` scales whole rows), so Q8_0 rows are requantized to one scale per row: a second rounding,
 measured by the quality figures in benchmarks/results/quantized.md. Scales and activations are bfloat16, the
-kernels' fast path.
+kernels' fast path. Q6_K (Q4_K_M files' other type: 6-bit quants in groups of 16 with int8 scales) fits neither
+kernel's groups, so its tensors are not read here and load dense, dequantized by the conversion.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K
 from torch import nn
 
 GROUP = 32
-# GGUF block layouts: (bytes per block, byte offset of the quants).
-_LAYOUTS = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}
-INT4_TYPES = ("Q4_0", "Q4_1")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_TYPES = ("Q8_0",)
 SUPPORTED_TYPES = INT4_TYPES + INT8_TYPES
 
@@ -38,25 +41,59 @@ class BlockWeights:
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        w = self.q.reshape(n, k // GROUP, GROUP) * self.scale[..., None] + self.offset[..., None]
-        return torch.from_numpy(w.reshape(n, k).astype(np.float32))
+        # float32 arithmetic, as gguf.quants dequantizes (bit-equal for Q4_1, Q4_K and Q8_0).
+        groups = self.q.reshape(n, k // GROUP, GROUP).astype(np.float32)
+        return torch.from_numpy((groups * self.scale[..., None] + self.offset[..., None]).reshape(n, k))
 
 
 def read_blocks(kind: str, data: np.ndarray, rows: int, cols: int) -> BlockWeights:
     """Decode a GGUF tensor's raw bytes (uint8 [rows, bytes per row]) of a type in SUPPORTED_TYPES."""
-    block_bytes, quants_at = _LAYOUTS[kind]
-    blocks = np.ascontiguousarray(data).reshape(rows, cols // GROUP, block_bytes)
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    raw = blocks[..., quants_at:]
-    if kind == "Q8_0":
-        q = raw.copy().view(np.int8).astype(np.int32)
-        offset = np.zeros_like(scale)
-    else:
-        # The low nibbles hold a block's first 16 weights, the high nibbles its last 16.
-        q = np.concatenate([raw & 15, raw >> 4], axis=-1).astype(np.int32)
-        offset = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1"
-                  else -8.0 * scale)
-    return BlockWeights(kind, q.reshape(rows, cols), scale, offset)
+    weights_per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // weights_per_block, block_bytes)
+    q, scale, offset = _READERS[kind](blocks)
+    return BlockWeights(kind, q.reshape(rows, cols).astype(np.int32), scale.reshape(rows, -1),
+                        offset.reshape(rows, -1))
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """float16 fields of blocks (uint8 [..., 2]) as float32 [...]."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(raw: np.ndarray) -> np.ndarray:
+    # The low nibbles of a run of 16 bytes hold a group's first 16 weights, the high nibbles its last 16;
+    # Q4_K's runs are 32 bytes, holding two groups, low nibbles the first.
+    return np.stack([raw & 15, raw >> 4], axis=-2)
+
+
+def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scale = _f16(blocks[..., 0:2])
+    return _nibbles(blocks[..., 2:]), scale, -8.0 * scale
+
+
+def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _nibbles(blocks[..., 4:]), _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+
+
+def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scale = _f16(blocks[..., 0:2])
+    return blocks[..., 2:].copy().view(np.int8), scale, np.zeros_like(scale)
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A 256-weight super-block: float16 d and dmin, eight 6-bit (scale, min) pairs, 4-bit quants; sub-block j
+    is w = q * (d * sc_j) - dmin * m_j, so Q4_1 with scale d * sc_j and offset -dmin * m_j (float32 products,
+    as gguf.quants computes them)."""
+    rows, supers, _ = blocks.shape
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(rows * supers, Q4_K.K_SCALE_SIZE))
+    d, dmin = _f16(blocks[..., 0:2])[..., None], _f16(blocks[..., 2:4])[..., None]
+    scale = d * sc.reshape(rows, supers, 8).astype(np.float32)
+    offset = -(dmin * m.reshape(rows, supers, 8).astype(np.float32))
+    return _nibbles(blocks[..., 16:].reshape(rows, supers, 4, 32)), scale, offset
+
+
+# GGUF type -> reader of its blocks (uint8 [rows, blocks per row, bytes per block]) into (q, scale, offset).
+_READERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k}
 
 
 def stack_rows(parts: list[BlockWeights]) -> BlockWeights:

@@ -24,8 +24,8 @@ from tiny_gguf_families import CONFIGS, build_hf_model, quantize_q4_k, quantize_
 ARCHS = sorted(CONFIGS)
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-# The families the engine runs today; gemma2, gemma3 and phi3 are checked by conversion alone.
-ENGINE_ARCHS = ["llama", "qwen2", "qwen3"]
+# Every converted architecture runs on the engine, greedy-equal to HF on the original model.
+ENGINE_ARCHS = ARCHS
 CONFIG_FIELDS = ["model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
                  "rope_parameters", "tie_word_embeddings", "sliding_window", "layer_types", "attn_logit_softcapping",

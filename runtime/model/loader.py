@@ -19,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def resolve_model_path(model_path: str | None) -> str:
     """"default" (or nothing) means the embedded SmolLM2 model, converted from its GGUF on first use; a path to a
-    llama .gguf file is converted the same way."""
+    .gguf file (llama, qwen2, qwen3, gemma2, gemma3, phi3) is converted the same way."""
     if model_path in (None, "", "default"):
         from .default_model import prepare_default_model
 

@@ -48,8 +48,11 @@ def _hf_blocks(arch: GGUFArch, meta: GGUFMeta, tensor: ReaderTensor) -> BlockWei
     return blocks.take_rows(rope_row_order(rows, heads)) if heads else blocks
 
 
-def source_tensors(model: DecoderForCausalLM, module_name: str) -> list[str]:
-    """The checkpoint tensors a linear layer was loaded from, in fused order."""
+def source_tensors(model: DecoderForCausalLM, module_name: str, blocks: dict[str, BlockWeights]) -> list[str]:
+    """The checkpoint tensors a linear layer was loaded from, in fused order (one, for a file that stores the
+    fused tensor itself: Phi-3's attn_qkv and ffn_up)."""
+    if f"{module_name}.weight" in blocks:
+        return [f"{module_name}.weight"]
     for fused, parts in FUSED_PARTS.items():
         if module_name.endswith(f".{fused}"):
             return [f"{module_name[: -len(fused)]}{proj}.weight" for proj in parts]
@@ -64,7 +67,7 @@ def quantize_model(model: DecoderForCausalLM, blocks: dict[str, BlockWeights], d
     float layer stays beside the quantized one and serves batches of more rows than this; None: quantized alone."""
     swapped = []
     for name, module in quantizable_layers(model, blocks):
-        quantized = quantized_linear(stack_rows([blocks[s] for s in source_tensors(model, name)]), module.bias)
+        quantized = quantized_linear(stack_rows([blocks[s] for s in source_tensors(model, name, blocks)]), module.bias)
         if dense_above is not None:
             quantized = SmallBatchQuantized(quantized, module, dense_above)
         model.set_submodule(name, quantized)
@@ -76,7 +79,7 @@ def quantizable_layers(model: DecoderForCausalLM, blocks: dict[str, BlockWeights
     """The linear layers whose source tensors are all quantized, of one type."""
     found = []
     for name, module in model.named_modules():
-        sources = source_tensors(model, name) if isinstance(module, nn.Linear) else []
+        sources = source_tensors(model, name, blocks) if isinstance(module, nn.Linear) else []
         # A fused layer whose parts differ in type (llama.cpp's mixed Q4_K_M files) stays dense.
         if sources and all(s in blocks for s in sources) and len({blocks[s].kind for s in sources}) == 1:
             found.append((name, module))

@@ -91,7 +91,8 @@ def test_auto_measures_which_batch_sizes_the_quantized_kernel_serves():
     dense = [torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)]
     # Kernels always slower than the dense layers serve no batch; ones always far faster serve every rung.
     assert small_batch_rows([Twice(layer) for layer in dense], dense) == 0
-    assert small_batch_rows([torch.nn.Linear(1024, 16, bias=False) for _ in dense], dense) == ROW_LADDER[-1]
+    # (No work at all: a cheap real layer's few microseconds lost a rung to one burst of load on 2 cores.)
+    assert small_batch_rows([torch.nn.Identity() for _ in dense], dense) == ROW_LADDER[-1]
 
 
 def test_auto_on_the_default_model_times_its_mlps_and_keeps_what_won(default_model_dir):

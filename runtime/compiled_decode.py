@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .attention.base import ForwardBatch
 from .cache.memory_pool import TokenToKVPool
-from .cuda_graph_runner import one_token_each
+from .cuda_graph_runner import MOE_REASON, one_token_each
 
 logger = logging.getLogger("furcate.compiled_decode")
 
@@ -81,6 +81,8 @@ class PoolDecodeAttention:
 def compilable(model) -> str | None:
     """Why the model's decode cannot run compiled, or None. Sliding windows and soft-capped scores would need
     their own attention in the graph; LongRoPE's per-request factors a plan input."""
+    if model.family.moe is not None:
+        return MOE_REASON
     attention = [layer.self_attn for layer in model.model.layers]
     if any(a.sliding_window is not None for a in attention):
         return "its layers have sliding windows"

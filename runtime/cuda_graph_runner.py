@@ -32,6 +32,16 @@ def one_token_each(forward: ForwardBatch) -> bool:
     return int(forward.extend_lens.max()) == 1 and not forward.images
 
 
+# Why neither a CUDA graph nor a compiled CPU step captures a MoE model's decode.
+MOE_REASON = ("its mixture-of-experts layers group tokens by expert in sizes known only at run time (the expert "
+              "loop reads them on the host)")
+
+
+def capturable(model) -> str | None:
+    """Why the model's decode cannot be captured in a CUDA graph, or None."""
+    return MOE_REASON if model.family.moe is not None else None
+
+
 def supports_cuda_graphs(backend) -> bool:
     return hasattr(backend, "init_cuda_graph_state") and hasattr(backend, "init_forward_metadata_graph")
 

@@ -6,6 +6,8 @@ bfloat16; unsupported architectures are refused by name."""
 from __future__ import annotations
 
 import json
+from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,18 +37,15 @@ def family_dirs(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(scope="module")
 def expected(family_dirs, tokenizer):
-    """HF's greedy outputs per family, for PROMPTS then CACHED_PROMPTS (computed once, on first use)."""
-    cache: dict[str, list[list[int]]] = {}
+    """HF's greedy outputs per family (computed once, on first use)."""
+    return cache(lambda family: hf_outputs(family_dirs[family], tokenizer))
 
-    def get(family: str) -> list[list[int]]:
-        if family not in cache:
-            hf = HFReference(family_dirs[family])
-            prompts = PROMPTS + CACHED_PROMPTS
-            cache[family] = [hf.greedy(tokenizer.encode(p), n["max_new_tokens"])
-                             for p, n in zip(prompts, PARAMS + PARAMS[:4])]
-        return cache[family]
 
-    return get
+def hf_outputs(model_dir: Path, tokenizer) -> list[list[int]]:
+    """HF's greedy outputs for PROMPTS then CACHED_PROMPTS."""
+    hf = HFReference(model_dir)
+    return [hf.greedy(tokenizer.encode(p), n["max_new_tokens"])
+            for p, n in zip(PROMPTS + CACHED_PROMPTS, PARAMS + PARAMS[:4])]
 
 
 def generate_all(engine) -> tuple[list[list[int]], list[dict]]:

@@ -116,6 +116,10 @@ def check_tp_size(config, tp_size: int) -> None:
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         "intermediate_size": config.intermediate_size,
     }
+    # MoE configs: each expert's (and Qwen2-MoE's shared expert's) intermediate size is split too.
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(config, field, None):
+            sizes[field] = getattr(config, field)
     for field, size in sizes.items():
         if size % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide the model's {field} ({size})")

@@ -1,7 +1,8 @@
-"""One decoder-only transformer for every dense family; each architecture is a set of flags (families.py).
+"""One decoder-only transformer for every family; each architecture is a set of flags (families.py).
 
-Families differ in biases, norms and their placement, activation, rotary, windows and a few multipliers, so one
-implementation with flags keeps every architecture on the same, tested forward path.
+Families differ in biases, norms and their placement, activation, rotary, windows, a few multipliers and, for the
+mixture-of-experts families, a sparse MLP block (moe.py) in place of the gated MLP, so one implementation with
+flags keeps every architecture on the same, tested forward path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..distributed.parallel_state import SINGLE, TensorParallel
 from ..distributed.tp_layers import embedding, lm_head, shard_tensor
 from .families import Family, Scales, layer_window
 from .layers import Attention, AttentionSpec, GatedMLP, RMSNorm, attention_shape
+from .moe import MoePlacement, SparseMoE, moe_placement, split_moe_name
 from .rotary import CosSin, LayerRotary
 
 # HF checkpoint names that we store fused: (fused parameter, shard index).
@@ -33,19 +35,32 @@ LAYOUT_NORMS = {
                  "post_feedforward_layernorm"),
     "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
 }
+# Where a checkpoint tensor goes within its parameter: all of it (None), its (start, length) rows of a fused one,
+# or its place in a MoE block (an expert's slot of a stacked parameter, and how ranks split it).
+Where = tuple[int, int] | MoePlacement | None
 
 
 def attention_spec(config, family: Family, scales: Scales, layer_id: int) -> AttentionSpec:
     bias = bool(getattr(config, "attention_bias", False))
+    qkv_bias = bool(getattr(config, family.qkv_bias_field, False))
     return AttentionSpec(
-        qkv_bias=bias if family.qkv_bias is None else family.qkv_bias,
+        qkv_bias=qkv_bias if family.qkv_bias is None else family.qkv_bias,
         o_bias=bias if family.o_bias is None else family.o_bias,
         qk_norm=family.qk_norm,
         norm_style=family.norm_style,
         scaling=scales.attention,
         logit_cap=scales.attention_logit_cap,
         sliding_window=layer_window(config, family, layer_id),
+        clip_qkv=getattr(config, "clip_qkv", None),
     )
+
+
+def mlp_block(config, family: Family, layer_id: int, tp: TensorParallel) -> nn.Module:
+    """A MoE family's sparse block, or the gated MLP (also in a Qwen MoE model's dense layers)."""
+    if family.moe is not None and family.moe.is_sparse_layer(config, layer_id):
+        return SparseMoE(config, family.moe, tp)
+    return GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), tp,
+                    getattr(config, family.activation_field))
 
 
 class DecoderLayer(nn.Module):
@@ -54,8 +69,7 @@ class DecoderLayer(nn.Module):
         scales = family.scales(config)
         self.layout, self.residual_scale = family.layout, scales.residual
         self.self_attn = Attention(config, layer_id, attention_spec(config, family, scales, layer_id), tp)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
-                            tp, getattr(config, family.activation_field))
+        self.mlp = mlp_block(config, family, layer_id, tp)
         for name in LAYOUT_NORMS[family.layout]:
             setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, family.norm_style))
 
@@ -156,24 +170,37 @@ class DecoderForCausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (partly fused) parameters; every parameter must be covered."""
+        """Copy HF-named tensors into our (partly fused, partly stacked) parameters. Every element must be
+        written, so a checkpoint lacking one part of a fused parameter or one expert of a stacked one is refused."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        filled: dict[str, dict[Where, int]] = {}
         for name, tensor in self.unfused(weights):
             place = self.destination(name)
             if place is None:
                 continue
-            target, rows = place
+            target, where = place
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            if self.tp.size > 1:
-                tensor = self.shard(name, tensor)
-            with torch.no_grad():
-                (params[target] if rows is None else params[target].narrow(0, *rows)).copy_(tensor)
-            loaded.add(target)
-        missing = set(params) - loaded
+            filled.setdefault(target, {})[where] = self.write(params[target], name, tensor, where)
+        missing = unfilled(params, filled)
         if missing:
-            raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:8]}")
+            raise ValueError(f"checkpoint lacks tensors for: {missing[:8]}")
+
+    def write(self, param: torch.Tensor, name: str, tensor: torch.Tensor, where: Where) -> int:
+        """Copy this rank's part of checkpoint tensor `name` to its place in `param`; the elements written."""
+        view, part = placed_view(param, where), self.part(name, tensor, where)
+        if view.shape != part.shape:
+            raise ValueError(f"checkpoint tensor {name!r} of shape {list(tensor.shape)} does not fit: this rank's "
+                             f"part is {list(part.shape)}, its place {list(view.shape)}")
+        with torch.no_grad():
+            view.copy_(part)
+        return view.numel()
+
+    def part(self, name: str, tensor: torch.Tensor, where: Where) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name` (a MoE block's tensors are split as moe.py says)."""
+        if isinstance(where, MoePlacement):
+            return where.shard(tensor, self.tp)
+        return tensor if self.tp.size == 1 else self.shard(name, tensor)
 
     def unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoints that store q/k/v or gate/up fused (Phi-3) split into the HF names of their parts, so the
@@ -203,24 +230,69 @@ class DecoderForCausalLM(nn.Module):
             return tensor.chunk(self.tp.size, dim=0)[self.tp.rank]
         return shard_tensor(name, tensor, self.tp)
 
-    def destination(self, name: str) -> tuple[str, tuple[int, int] | None] | None:
-        """Where HF checkpoint tensor `name` goes: our parameter, and its (start, length) rows in a fused one.
-        None: nothing to load (rotary buffers; an LM head tied to the embedding, which holds it already)."""
+    def destination(self, name: str) -> tuple[str, Where] | None:
+        """Where HF checkpoint tensor `name` goes: our parameter, and where in it (see Where). None: nothing to
+        load (rotary buffers; an LM head tied to the embedding, which holds it already)."""
         if "rotary_emb" in name:
             return None
+        moe = self.moe_destination(name)
+        if moe is not None:  # before the gate/up fusing, which would take experts.N.gate_proj for a dense MLP's
+            return moe
         target, shard = _fused_target(name)
         if target == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
             return None
         return target, None if shard is None else self._shard_range(target, shard)
 
+    def moe_destination(self, name: str) -> tuple[str, MoePlacement] | None:
+        """A tensor of a sparse layer's MoE block (Mixtral's block_sparse_moe is our mlp); None for any other,
+        also for Qwen's dense layers, whose MLP shares the name "mlp"."""
+        style = self.family.moe
+        parts = None if style is None else split_moe_name(style, name)
+        if parts is None or not self.is_sparse(parts[0]):
+            return None
+        layer, inner = parts
+        place = moe_placement(style, inner)
+        return f"{layer}.mlp.{place.param}", place
+
+    def is_sparse(self, layer: str) -> bool:
+        """Whether checkpoint layer path `layer` ("model.layers.3") is one of ours holding a SparseMoE."""
+        index = layer.removeprefix("model.layers.")
+        layers = self.model.layers
+        return index.isdigit() and int(index) < len(layers) and isinstance(layers[int(index)].mlp, SparseMoE)
+
     def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
         attn = self.model.layers[0].self_attn
         if ".qkv_proj." in target:
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            size = self.model.layers[0].mlp.intermediate_size
+        else:  # every dense MLP's (a MoE model's layer 0 may be sparse)
+            size = self.tp.shard(self.config.intermediate_size)
             sizes = [size, size]
         return sum(sizes[:shard]), sizes[shard]
+
+
+def placed_view(param: torch.Tensor, where: Where) -> torch.Tensor:
+    """The part of `param` one checkpoint tensor fills."""
+    if isinstance(where, MoePlacement):
+        return where.target(param)
+    return param if where is None else param.narrow(0, *where)
+
+
+def unfilled(params: dict[str, torch.Tensor], filled: dict[str, dict[Where, int]]) -> list[str]:
+    """The parameters (sorted) some elements of which no tensor wrote, given the elements written per place;
+    a stacked MoE parameter's entry names the experts it lacks."""
+    return [_describe(name, param, filled.get(name, {})) for name, param in sorted(params.items())
+            if sum(filled.get(name, {}).values()) < param.numel()]
+
+
+def _describe(name: str, param: torch.Tensor, pieces: dict[Where, int]) -> str:
+    per_expert: dict[int, int] = {}
+    for where, count in pieces.items():
+        if isinstance(where, MoePlacement) and where.expert is not None:
+            per_expert[where.expert] = per_expert.get(where.expert, 0) + count
+    if not per_expert:
+        return name
+    lacking = [e for e in range(param.shape[0]) if per_expert.get(e, 0) < param[0].numel()]
+    return f"{name} (experts {lacking})"
 
 
 # Where a fused checkpoint tensor's part names sit (see DecoderForCausalLM.unfused).

@@ -1,15 +1,17 @@
 """The architectures furcate runs, each a set of flags of the one decoder (decoder.py).
 
 Families differ in attention biases, q/k norms, norm arithmetic and placement, activation, sliding windows, rotary
-(rotary.py) and a few constant multipliers; everything else is the Llama forward. A family that needs more than
-flags (mixture-of-experts routing, cross-attention) is not listed here, and a checkpoint of an architecture not
-listed is refused at load with this list.
+(rotary.py), a few constant multipliers and, for the mixture-of-experts families, the sparse MLP block (moe.py);
+everything else is the Llama forward. A family that needs more than flags (cross-attention) is not listed here, and
+a checkpoint of an architecture not listed is refused at load with this list.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .moe import MOE_STYLES, MoeStyle
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ def granite_scales(config) -> Scales:
 
 @dataclass(frozen=True)
 class Family:
-    qkv_bias: bool | None  # None: read config.attention_bias
+    qkv_bias: bool | None  # None: read the config's qkv_bias_field
     o_bias: bool | None
     qk_norm: str | None = None  # "head": one norm per head (Qwen3, Gemma 3); "projection": over all heads (OLMo 2)
     # Mistral-style configs carry a model-wide sliding_window with no per-layer types.
@@ -52,6 +54,8 @@ class Family:
     layout: str = "pre"
     activation_field: str = "hidden_act"  # the config field naming the MLP's activation
     scales: Callable[[object], Scales] = no_scales
+    qkv_bias_field: str = "attention_bias"  # Qwen2-MoE names its q/k/v bias flag qkv_bias
+    moe: MoeStyle | None = None  # the sparse MLP block of a mixture-of-experts family (its dense layers: GatedMLP)
 
 
 FAMILIES: dict[str, Family] = {
@@ -68,11 +72,19 @@ FAMILIES: dict[str, Family] = {
     "Olmo2ForCausalLM": Family(qkv_bias=None, o_bias=None, qk_norm="projection", norm_style="olmo",
                                layout="post"),
     "GraniteForCausalLM": Family(qkv_bias=None, o_bias=None, scales=granite_scales),
+    "Qwen3MoeForCausalLM": Family(qkv_bias=None, o_bias=None, qk_norm="head", window_from_config=True,
+                                  moe=MOE_STYLES["Qwen3MoeForCausalLM"]),
+    "Qwen2MoeForCausalLM": Family(qkv_bias=None, o_bias=False, qkv_bias_field="qkv_bias",
+                                  moe=MOE_STYLES["Qwen2MoeForCausalLM"]),
+    "MixtralForCausalLM": Family(qkv_bias=False, o_bias=False, window_from_config=True,
+                                 moe=MOE_STYLES["MixtralForCausalLM"]),
+    "OlmoeForCausalLM": Family(qkv_bias=None, o_bias=None, qk_norm="projection",
+                               moe=MOE_STYLES["OlmoeForCausalLM"]),
 }
 
-# model_type of configs without `architectures` (Gemma 3's text model is "gemma3_text").
+# model_type of configs without `architectures` (Gemma 3's text model is "gemma3_text", Qwen's MoE "qwen3_moe").
 MODEL_TYPES = {name.removesuffix("ForCausalLM").lower(): name for name in FAMILIES} | {
-    "gemma3_text": "Gemma3ForCausalLM"}
+    "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def layer_window(config, family: Family, layer_id: int) -> int | None:

@@ -88,7 +88,8 @@ def attention_shape(config) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """How one layer's attention differs by family: biases, q/k norm, softmax scale and cap, window."""
+    """How one layer's attention differs by family: biases, q/k norm, q/k/v clipping, softmax scale and cap,
+    window."""
 
     qkv_bias: bool
     o_bias: bool
@@ -97,6 +98,7 @@ class AttentionSpec:
     scaling: float | None  # None: head_dim ** -0.5
     logit_cap: float | None  # tanh soft-capping of attention scores (Gemma 2)
     sliding_window: int | None
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] after the q/k norms (OLMoE)
 
 
 class Attention(nn.Module):
@@ -116,12 +118,15 @@ class Attention(nn.Module):
         self.o_proj = row_linear(num_heads * self.head_dim, config.hidden_size, spec.o_bias, tp)
         self.q_norm, self.k_norm = qk_norms(config, spec, tp)
         self.norm_whole_projection = spec.qk_norm == "projection"
+        self.clip_qkv = spec.clip_qkv
 
     def forward(self, x: torch.Tensor, rotary: CosSin | None, attn: AttentionBackend) -> torch.Tensor:
         """rotary: this layer's (cos, sin), or None for a layer without position embedding (NoPE)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.norm_whole_projection:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)

@@ -1,10 +1,11 @@
 """New weights for a loaded model, as RL trainers send them: every tensor is checked before any is written.
 
 A trainer names tensors as its HF model does (q_proj, gate_proj, ...); furcate stores some fused (qkv_proj,
-gate_up_proj), so each name maps to a parameter and, for a fused one, its rows (DecoderForCausalLM.destination).
-Under tensor parallelism the trainer still sends whole tensors and each rank keeps its shard (shard_tensor), as
-when it loaded the checkpoint. A plan is made from names, dtypes and shapes alone, so an update whose tensors
-arrive one by one (a broadcast) is refused before the first one is received, and none is written until all are.
+gate_up_proj), so each name maps to a parameter and, for a fused one, its rows (DecoderForCausalLM.destination);
+a MoE expert's tensor maps to its expert's slot of a stacked parameter. Under tensor parallelism the trainer still
+sends whole tensors and each rank keeps its part (DecoderForCausalLM.part), as when it loaded the checkpoint.
+A plan is made from names, dtypes and shapes alone, so an update whose tensors arrive one by one (a broadcast) is
+refused before the first one is received, and none is written until all are.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed.tp_layers import shard_tensor
+from .decoder import Where, placed_view, unfilled
 
 UPDATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_TENSORS = 100_000  # more names than any checkpoint has: a list this long is a mistake, not a model
@@ -43,7 +44,7 @@ class Placement:
 
     spec: TensorSpec
     param: str | None
-    rows: tuple[int, int] | None = None
+    where: Where = None
 
 
 def parse_dtype(value: Any) -> torch.dtype:
@@ -88,7 +89,7 @@ def spec_of(name: Any, tensor: Any) -> TensorSpec:
 
 
 class WeightWriter:
-    """Plans and writes updates into one rank's model (dense parameters only)."""
+    """Plans and writes updates into one rank's model (dense parameters only: not GGUF-quantized layers)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -102,21 +103,26 @@ class WeightWriter:
         found = self.model.destination(spec.name)
         if found is None:
             return Placement(spec, None)
-        target, rows = found
+        target, where = found
         if target not in self.params:
             raise ValueError(f"tensor {spec.name!r} has no place in the served model{self._why_missing(target)}")
-        expected = self._expected_shape(target, rows)
-        # The shard this rank would keep of a tensor of that shape (a meta tensor: no data is touched).
-        kept = tuple(shard_tensor(spec.name, torch.empty(spec.shape, device="meta"), self.tp).shape)
+        expected = tuple(placed_view(self.params[target], where).shape)
+        # The part this rank would keep of a tensor of that shape (a meta tensor: no data is touched).
+        kept = tuple(self.model.part(spec.name, torch.empty(spec.shape, device="meta"), where).shape)
         if kept != expected:
             raise ValueError(f"tensor {spec.name!r} has shape {list(spec.shape)}, which does not fit the served "
                              f"model's {target} (expects a shard of {list(expected)} per rank, tp_size "
                              f"{self.tp.size})")
-        return Placement(spec, target, rows)
+        return Placement(spec, target, where)
 
-    def _expected_shape(self, target: str, rows: tuple[int, int] | None) -> tuple[int, ...]:
-        shape = tuple(self.params[target].shape)
-        return shape if rows is None else (rows[1], *shape[1:])
+    def unwritten(self, placements: list[Placement]) -> list[str]:
+        """The parameters (or experts of stacked ones) that placements leave partly unwritten."""
+        filled: dict[str, dict[Where, int]] = {}
+        for place in placements:
+            if place.param is not None:
+                view = placed_view(self.params[place.param], place.where)
+                filled.setdefault(place.param, {})[place.where] = view.numel()
+        return unfilled(self.params, filled)
 
     def _why_missing(self, target: str) -> str:
         module = target.rsplit(".", 1)[0]
@@ -127,14 +133,9 @@ class WeightWriter:
 
     def write(self, placements: list[Placement], tensors: list[torch.Tensor]) -> None:
         """Write tensors (in plan order, already checked against it: check_values) into the parameters."""
-        with torch.no_grad():
-            for place, tensor in zip(placements, tensors):
-                if place.param is None:
-                    continue
-                if self.tp.size > 1:
-                    tensor = shard_tensor(place.spec.name, tensor, self.tp)
-                param = self.params[place.param]
-                (param if place.rows is None else param.narrow(0, *place.rows)).copy_(tensor)
+        for place, tensor in zip(placements, tensors):
+            if place.param is not None:
+                self.model.write(self.params[place.param], place.spec.name, tensor, place.where)
 
     def read(self, name: str) -> torch.Tensor:
         """This rank's copy of checkpoint tensor `name` (its shard under tensor parallelism)."""
@@ -143,9 +144,8 @@ class WeightWriter:
             found = ("model.embed_tokens.weight", None)  # tied: the embedding is the LM head
         if found is None or found[0] not in self.params:
             raise ValueError(f"the served model has no tensor {name!r}")
-        target, rows = found
-        param = self.params[target]
-        return (param if rows is None else param.narrow(0, *rows)).detach()
+        target, where = found
+        return placed_view(self.params[target], where).detach()
 
 
 def check_values(placements: list[Placement], tensors: list[torch.Tensor]) -> None:

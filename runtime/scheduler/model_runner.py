@@ -21,7 +21,7 @@ from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..compiled_decode import CompiledDecode, DecodePlan, compilable, plan_decode
 from ..config import EngineArgs
 from ..cuda_graph import capture_batch_sizes
-from ..cuda_graph_runner import CudaGraphRunner, supports_cuda_graphs
+from ..cuda_graph_runner import CudaGraphRunner, capturable, supports_cuda_graphs
 from ..distributed.followers import Followers, NoFollowers
 from ..distributed.parallel_state import TensorParallel
 from ..distributed.spawn import Spawned, spawn_followers
@@ -124,14 +124,23 @@ class ModelRunner:
 
     def _capture_graphs(self, args: EngineArgs) -> CudaGraphRunner | None:
         """Decode CUDA graphs on a GPU, unless disabled; not under tensor parallelism (each rank would need its own
-        graphs replayed in step) nor with a backend whose metadata has no fixed buffers (torch_native)."""
+        graphs replayed in step), with a backend whose metadata has no fixed buffers (torch_native), nor for a
+        model whose decode cannot be captured (cuda_graph_runner.capturable)."""
         sizes = capture_batch_sizes(args)
-        if not sizes or self.tp.size > 1 or not supports_cuda_graphs(self.attn_backend):
-            if sizes:
-                logger.warning("decode runs without CUDA graphs: %s", "tensor parallelism" if self.tp.size > 1
-                               else f"attention backend {type(self.attn_backend).__name__} cannot be captured")
+        if not sizes:
+            return None
+        why_not = self._why_no_graphs()
+        if why_not:
+            logger.warning("decode runs without CUDA graphs: %s", why_not)
             return None
         return CudaGraphRunner(self.model, self.attn_backend, sizes, self.req_pool, self.kv_pool, args.device)
+
+    def _why_no_graphs(self) -> str | None:
+        if self.tp.size > 1:
+            return "tensor parallelism"
+        if not supports_cuda_graphs(self.attn_backend):
+            return f"attention backend {type(self.attn_backend).__name__} cannot be captured"
+        return capturable(self.model)
 
     def _compiled_decode(self, args: EngineArgs) -> CompiledDecode | None:
         """The compiled CPU decode step when enable_torch_compile asks for it and the model allows it."""

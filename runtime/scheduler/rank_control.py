@@ -106,16 +106,10 @@ class RankControl:
         return len(tensors)
 
     def _require_every_parameter(self, placements: list[Placement], model_path: str) -> None:
-        """A checkpoint replaces the whole model: every parameter, and every part of a fused one."""
-        rows: dict[str, set[tuple[int, int]]] = {}
-        for place in placements:
-            if place.param is not None:
-                size = self.writer.params[place.param].shape[0]
-                rows.setdefault(place.param, set()).add(place.rows or (0, size))
-        missing = [name for name, param in self.writer.params.items()
-                   if sum(length for _, length in rows.get(name, ())) != param.shape[0]]
+        """A checkpoint replaces the whole model: every parameter, every part of a fused one, every expert."""
+        missing = self.writer.unwritten(placements)
         if missing:
-            raise ValueError(f"the checkpoint in {model_path} lacks tensors for {sorted(missing)[:4]}")
+            raise ValueError(f"the checkpoint in {model_path} lacks tensors for {missing[:4]}")
 
     def commit(self) -> int:
         staged, self.staged = self.staged, None

@@ -204,8 +204,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: pathlib.Path) -> None:
-    """Grouped bars of tok/s per workload and system, one panel per precision."""
+def plot(report: dict, path: pathlib.Path, caption: str = "") -> None:
+    """Grouped bars of tok/s per workload and system, one panel per precision; `caption` (the machine, date and
+    versions, as the docs' benchmarks page shows them) goes under the panels."""
     try:
         import matplotlib
     except ImportError:
@@ -228,6 +229,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
         axis.set_ylabel("output tok/s")
     axes[0][0].legend()
     figure.suptitle(f"{report['model']}, {report['threads']} threads" + (" (quick)" if report["quick"] else ""))
-    figure.tight_layout()
+    if caption:
+        figure.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=7, wrap=True)
+    figure.tight_layout(rect=(0, 0.08 if caption else 0, 1, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -11,6 +11,7 @@ from typing import Any
 import jsonschema
 import referencing
 import referencing.exceptions
+from tqdm import tqdm
 
 from benchmarks.jsonschemabench import cached_encoder, judge
 from furcate import Engine
@@ -30,7 +31,8 @@ def measure_coverage(backend_name: str, tokenizer, cases: dict[str, dict], timeo
     backend = make_backend(backend_name, tokenizer, tokenizer.vocab_size, [stop], timeout_s)
     encode = cached_encoder(tokenizer)
     rows: dict[str, dict] = {}
-    for name, case in cases.items():
+    # Some schemas compile for seconds and the whole set takes minutes: the bar (stderr) shows where it is.
+    for name, case in tqdm(cases.items(), desc=f"coverage {backend_name}", unit="schema"):
         started = time.perf_counter()
         try:
             compiled = backend.compile(GrammarSpec("json_schema", json.dumps(case["schema"])))

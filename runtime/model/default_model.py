@@ -22,6 +22,7 @@ import torch
 from gguf import GGUFReader
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
+from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from .gguf_arch import GGUFMeta, gguf_arch, hf_config, hf_weight, open_gguf
@@ -75,7 +76,7 @@ def prepare_gguf_model(gguf_path: pathlib.Path, name: str, cache_dir: str | None
     staging = target.parent / f".{name}-{uuid.uuid4().hex}"
     staging.mkdir()
     try:
-        _convert(gguf_path, staging)
+        _convert(gguf_path, staging, show_bar=progress is not None)
         _install(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -116,12 +117,12 @@ def _install(staging: pathlib.Path, target: pathlib.Path) -> None:
             raise
 
 
-def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
+def _convert(gguf_path: pathlib.Path, out: pathlib.Path, show_bar: bool = False) -> None:
     reader, meta = open_gguf(gguf_path)
     config = hf_config(meta)
     config.save_pretrained(out)
     weights = out / "model.safetensors"
-    save_file(_hf_tensors(reader, meta), weights, metadata={"format": "pt"})
+    save_file(_hf_tensors(reader, meta, show_bar), weights, metadata={"format": "pt"})
     # safetensors writes via a private temp file (mode 0600); use the umask mode config.json got.
     weights.chmod((out / "config.json").stat().st_mode)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
@@ -131,9 +132,12 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     (out / MARKER).write_text(json.dumps(marker) + "\n")
 
 
-def _hf_tensors(reader: GGUFReader, meta: GGUFMeta) -> dict[str, torch.Tensor]:
+def _hf_tensors(reader: GGUFReader, meta: GGUFMeta, show_bar: bool = False) -> dict[str, torch.Tensor]:
     arch = gguf_arch(meta)
-    named = ((arch.hf_name(t.name), t) for t in reader.tensors)
+    # The one-time conversion dequantizes every tensor: a bar on stderr shows it moving instead of a silent wait.
+    tensors = tqdm(reader.tensors, desc="furcate: converting tensors", unit="tensor", disable=not show_bar,
+                   leave=False)
+    named = ((arch.hf_name(t.name), t) for t in tensors)
     return {name: torch.from_numpy(hf_weight(arch, meta, t)) for name, t in named if name is not None}
 
 

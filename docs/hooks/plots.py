@@ -32,5 +32,13 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 
 
 def on_post_build(config: MkDocsConfig) -> None:
+    _remove_drawn()
+
+
+def on_build_error(error: Exception) -> None:  # an aborted build leaves nothing behind either
+    _remove_drawn()
+
+
+def _remove_drawn() -> None:
     while _drawn:
         shutil.rmtree(_drawn.pop(), ignore_errors=True)

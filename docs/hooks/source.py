@@ -31,6 +31,14 @@ def on_config(config: MkDocsConfig) -> MkDocsConfig:
 
 
 def on_post_build(config: MkDocsConfig) -> None:
+    _unlink()
+
+
+def on_build_error(error: Exception) -> None:  # an aborted build leaves nothing behind either
+    _unlink()
+
+
+def _unlink() -> None:
     while _linked:
         folder = _linked.pop()
         if str(folder) in sys.path:

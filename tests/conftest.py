@@ -230,3 +230,15 @@ def hf_reference(tiny_model_dirs):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def docs_site(tmp_path_factory) -> Path:
+    """The docs site, built once with `mkdocs build --strict` (tests/docs_pages.py), for test_docs and the
+    browser check; a failed build fails each test that asks for it, with mkdocs' output."""
+    from docs_pages import build_site
+
+    folder = tmp_path_factory.mktemp("docs") / "site"
+    built = build_site(folder)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return folder

@@ -1,5 +1,5 @@
-"""The documentation's pages and their code blocks, as tests/test_docs.py runs them, and the site build that
-tests/test_docs.py and tests/test_docs_browser.py share.
+"""The documentation's pages and their code blocks, as tests/test_docs.py runs them, and the site build (the
+`docs_site` fixture of tests/conftest.py, which tests/test_docs.py and tests/test_docs_browser.py share).
 
 Every ```python block of a docs/guides/ page runs, in page order and in one namespace (like a notebook), unless
 the line before its fence is an HTML comment `<!-- not-run: why -->` (a server of its own, a GPU, a model that is

@@ -19,8 +19,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from docs_pages import build_site
-
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install chromium)")
 # Chromium logs every console message of a page, whatever its level, as INFO:CONSOLE (an uncaught exception
@@ -47,13 +45,10 @@ class RecordingHandler(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[tuple[int, str]]]]:
-    folder = tmp_path_factory.mktemp("browser") / "site"
-    built = build_site(folder)
-    assert built.returncode == 0, built.stdout + built.stderr
+def site(docs_site: pathlib.Path) -> Iterator[tuple[str, list[tuple[int, str]]]]:
     requests: list[tuple[int, str]] = []
     handler = type("Handler", (RecordingHandler,), {"requests": requests})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(docs_site)))
     threading.Thread(target=server.serve_forever, daemon=True, name="docs-http").start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/", requests

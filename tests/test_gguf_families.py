@@ -1,7 +1,8 @@
 """GGUF files beyond llama: each architecture furcate converts, written from a tiny random HF model the way
 llama.cpp writes it, converts back to that model's tensors and config (and to transformers' own GGUF tensors);
-llama, qwen2 and qwen3 run greedy on the engine exactly as HF generate does. Q4_K blocks run on the int4 kernel
-as gguf.quants dequantizes them, Q6_K ones dense; unknown and broken files are clear errors."""
+each runs greedy on the engine exactly as HF generate does on the original. Q4_K blocks run on the int4 kernel
+as gguf.quants dequantizes them, Q6_K ones dense; unknown and broken files are clear errors; furcate's own GGUF
+reader reads what gguf's does."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from conftest import EXACT, NO_GRAMMAR, assert_pool_free, engine_starting, engines_side_by_side
 from furcate.runtime.model.default_model import find_default_gguf, prepare_gguf_model, prepare_user_gguf
+from furcate.runtime.model.gguf_reader import read_gguf
 from furcate.runtime.model.quantize import gguf_block_weights
 from furcate.runtime.model.quantized import Int4Linear, read_blocks
 from tiny_gguf_families import CONFIGS, build_hf_model, quantize_q4_k, quantize_q6_k, write_gguf
@@ -217,3 +219,23 @@ def test_engine_on_q4_k_and_q6_k_is_greedy_as_on_its_dequantized_weights(tmp_pat
         for engine in engines:
             assert_pool_free(engine)
     assert outputs[0] == outputs[1]
+
+
+def test_the_fast_reader_reads_what_gguf_reads(tmp_path):
+    """furcate's reader against gguf's GGUFReader on the default model (Q4_1, Q8_0, F32) and a file of Q4_K and
+    Q6_K blocks: every metadata value (long string arrays as their lengths), every tensor's name, type, shape,
+    numpy view and bytes."""
+    k_file = write_gguf(build_hf_model("llama", **K_WIDTH), "llama", tmp_path / "k.gguf", find_default_gguf(),
+                        types=_k_type)
+    for path in (find_default_gguf(), k_file):
+        ours, theirs = read_gguf(str(path)), GGUFReader(path)
+        for key, field in theirs.fields.items():
+            if not key.startswith("GGUF."):  # the header, which GGUFReader lists as fields
+                value = field.contents()
+                assert ours.values[key] == (len(value) if isinstance(ours.values[key], int)
+                                            and isinstance(value, list) else value), key
+        assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == [
+            (t.name, t.tensor_type, tuple(int(n) for n in t.shape)) for t in theirs.tensors]
+        for mine, reference in zip(ours.tensors, theirs.tensors):
+            assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+            assert np.array_equal(mine.data.view(np.uint8), reference.data.view(np.uint8)), mine.name

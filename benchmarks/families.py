@@ -24,7 +24,7 @@ import time
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 from benchmarks.peers_report import cpu_flags
 from furcate import Engine
@@ -47,7 +47,9 @@ MOE_CONFIGS = {
     "mixtral": lambda shape: MixtralConfig(**shape | {"intermediate_size": shape["intermediate_size"] // 4},
                                            num_local_experts=8, num_experts_per_tok=2),
 }
-CONFIGS = FAMILY_CONFIGS | MOE_CONFIGS
+# Llama, the family every other extends, as the baseline a slow family stands out against.
+BASELINE = {"llama": lambda shape: LlamaConfig(**shape, tie_word_embeddings=True)}
+CONFIGS = BASELINE | FAMILY_CONFIGS | MOE_CONFIGS
 RESULTS = HERE / "results"
 
 
@@ -119,7 +121,7 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default=",".join(FAMILY_NAMES + sorted(MOE_CONFIGS)))
+    parser.add_argument("--families", default=",".join([*BASELINE, *FAMILY_NAMES, *sorted(MOE_CONFIGS)]))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     report = {"date": datetime.date.today().isoformat(), "cpu_flags": cpu_flags(), "threads": args.threads,

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from conftest import EXACT, NO_GRAMMAR, HFReference, assert_pool_free, engine_starting
-from furcate.runtime.model.loader import load_config
+from furcate.runtime.compiled_decode import compilable
+from furcate.runtime.cuda_graph_runner import capturable
+from furcate.runtime.model.loader import load_config, load_model
 from test_bf16 import BF16_LOGPROB_TOLERANCE, _compare, _engine_prompt_logprobs, _hf_bf16
 from test_greedy_matches_hf import make_prompts
 from tiny_families import FAMILY_NAMES, TP_FAMILIES, build_family_model
@@ -120,3 +122,17 @@ def test_bidirectional_gemma_is_refused(family_dirs, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="bidirectional attention"):
         load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("family, reason", [("gemma2", "sliding windows"), ("phi3", "LongRoPE"),
+                                            ("phi4", None), ("granite", None)])
+def test_compiled_decode_and_cuda_graphs_refuse_what_they_cannot_replay(family, reason, family_dirs):
+    """A graph replays what it captured: LongRoPE's per-request choice is made on the host (both refuse); windows
+    and soft caps need attention the compiled step lacks (it refuses); the rest run in both."""
+    model = load_model(str(family_dirs[family]), torch.float32)
+    why = compilable(model)
+    assert (why is None) if reason is None else (reason in why)
+    if family == "phi3":
+        assert "LongRoPE" in capturable(model)
+    else:
+        assert capturable(model) is None

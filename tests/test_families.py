@@ -116,11 +116,19 @@ def test_unsupported_architecture_is_refused_with_the_list(family_dirs, tmp_path
         load_config(str(tmp_path))
 
 
-def test_bidirectional_gemma_is_refused(family_dirs, tmp_path):
-    config = json.loads((family_dirs["gemma3"] / "config.json").read_text())
-    config["use_bidirectional_attention"] = True
+@pytest.mark.parametrize("family, field, value, reason", [
+    ("gemma3", "use_bidirectional_attention", True, "bidirectional attention"),
+    ("gemma2", "attn_logit_softcapping", 0.0, "attn_logit_softcapping must be positive"),
+    ("gemma2", "final_logit_softcapping", -3.0, "final_logit_softcapping must be positive"),
+    ("smollm3", "no_rope_layers", [1, 0], "no_rope_layers lists 2 layers of 4"),
+    ("phi4", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5625},
+     "odd rotary width"),
+])
+def test_configs_hf_would_compute_garbage_from_are_refused(family, field, value, reason, family_dirs, tmp_path):
+    config = json.loads((family_dirs[family] / "config.json").read_text())
+    config[field] = value
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="bidirectional attention"):
+    with pytest.raises(ValueError, match=reason):
         load_config(str(tmp_path))
 
 

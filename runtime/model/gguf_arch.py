@@ -109,7 +109,11 @@ def _llama_config(meta: GGUFMeta) -> LlamaConfig:
     head_dim = _head_dim(meta)
     if meta.get("rope.dimension_count", head_dim) != head_dim:
         raise ValueError("partial rotary embeddings are not supported for llama")
-    # llama 3's rope_freqs tensor is left out, as transformers does: the file keeps no rope_scaling to rebuild.
+    if "rope_freqs.weight" in meta.tensors:
+        # Llama 3.1+'s rope scaling, which llama.cpp stores only as these per-frequency divisors (no rope_scaling
+        # keys to rebuild HF's llama3 rope from). transformers drops them and rotates unscaled; refused instead.
+        raise ValueError("this llama GGUF scales its rotary frequencies by a rope_freqs tensor (Llama 3.1 and "
+                         "later), which furcate does not convert; load the model's Hugging Face directory instead")
     return LlamaConfig(**_shape(meta), head_dim=head_dim, rope_parameters=_rope(meta))
 
 

@@ -25,8 +25,9 @@ VALUE_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: n
                GGMLQuantizationType.I64: np.int64}
 DEFAULT_ALIGNMENT = 32
 # String arrays longer than this (vocabularies, merge tables) are stepped over unless asked for; shorter ones
-# (general.languages, tags) are read.
+# (general.languages, tags) are read. Scalar arrays longer than it stay numpy views of the file.
 LONG_ARRAY = 256
+MAX_NESTING = 4  # arrays of arrays; the spec allows them, no file needs deep ones
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,19 @@ class Cursor:
 
     def string(self) -> str:
         (length,) = self.unpack("<Q")
-        self.pos += length
-        return bytes(self.blob[self.pos - length : self.pos]).decode("utf-8")
+        return bytes(self.take(length)).decode("utf-8")
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """The next nbytes; a length past the end of the file (truncated, or hostile) is an error."""
+        if self.pos + nbytes > self.blob.size:
+            raise ValueError(f"a value of {nbytes} bytes at offset {self.pos} runs past the end of the file")
+        self.pos += nbytes
+        return self.blob[self.pos - nbytes : self.pos]
 
     def skip_strings(self, count: int) -> None:
         for _ in range(count):
             (length,) = self.unpack("<Q")
-            self.pos += length
+            self.take(length)
 
 
 def read_gguf(path: str, string_arrays: frozenset[str] = frozenset()) -> GGUFFile:
@@ -72,6 +79,8 @@ def read_gguf(path: str, string_arrays: frozenset[str] = frozenset()) -> GGUFFil
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     cursor = Cursor(blob)
     magic, version, tensor_count, value_count = cursor.unpack("<4sIQQ")
+    if magic == b"GGUF" and int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+        raise ValueError("a big-endian GGUF file, which furcate does not read")
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"no GGUF v2/v3 header (magic {magic!r}, version {version})")
     values = {}
@@ -80,12 +89,15 @@ def read_gguf(path: str, string_arrays: frozenset[str] = frozenset()) -> GGUFFil
         (kind,) = cursor.unpack("<I")
         values[key] = read_value(cursor, kind, key in string_arrays)
     table = [tensor_entry(cursor) for _ in range(tensor_count)]
-    alignment = int(values.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = values.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"general.alignment {alignment!r} is no positive integer")
     start = -(-cursor.pos // alignment) * alignment
     return GGUFFile(values, [tensor_view(blob, start, *entry) for entry in table])
 
 
-def read_value(cursor: Cursor, kind: int, keep_strings: bool) -> Any:
+def read_value(cursor: Cursor, kind: int, keep_strings: bool, depth: int = 0) -> Any:
+    """One metadata value; long scalar arrays (a vocabulary's token types and scores) as numpy arrays."""
     if kind in SCALARS:
         return cursor.unpack(SCALARS[kind])[0]
     if kind == STRING:
@@ -94,16 +106,23 @@ def read_value(cursor: Cursor, kind: int, keep_strings: bool) -> Any:
         raise ValueError(f"unknown GGUF value type {kind}")
     item_kind, count = cursor.unpack("<IQ")
     if item_kind in SCALARS:
-        return list(cursor.unpack(f"<{count}{SCALARS[item_kind][1:]}"))
+        dtype = np.dtype(SCALARS[item_kind])
+        items = cursor.take(count * dtype.itemsize).view(dtype)
+        return items if count > LONG_ARRAY else items.tolist()
     if item_kind == STRING and not keep_strings and count > LONG_ARRAY:
         cursor.skip_strings(count)
         return count
-    return [read_value(cursor, item_kind, keep_strings) for _ in range(count)]
+    if depth >= MAX_NESTING:
+        raise ValueError(f"metadata arrays nested deeper than {MAX_NESTING}")
+    return [read_value(cursor, item_kind, keep_strings, depth + 1) for _ in range(count)]
 
 
 def tensor_entry(cursor: Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+    """(name, shape in GGUF order, type, offset in the data section) of the next tensor table entry."""
     name = cursor.string()
     (dims,) = cursor.unpack("<I")
+    if not 1 <= dims <= 4:  # ggml's GGML_MAX_DIMS
+        raise ValueError(f"tensor {name!r} has {dims} dimensions")
     shape = cursor.unpack(f"<{dims}Q")
     kind, offset = cursor.unpack("<IQ")
     return name, shape, GGMLQuantizationType(kind), offset
@@ -118,6 +137,8 @@ def tensor_view(blob: np.ndarray, start: int, name: str, shape: tuple[int, ...],
         view_shape, nbytes = (*rows, shape[0]), int(np.prod(shape)) * dtype.itemsize
     else:
         block, block_bytes = GGML_QUANT_SIZES[kind]
+        if shape[0] % block:
+            raise ValueError(f"tensor {name!r}: rows of {shape[0]} are no whole {kind.name} blocks of {block}")
         dtype, row_bytes = np.dtype(np.uint8), shape[0] // block * block_bytes
         view_shape, nbytes = (*rows, row_bytes), int(np.prod(rows, dtype=np.int64)) * row_bytes
     begin = start + offset

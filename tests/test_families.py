@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import EXACT, NO_GRAMMAR, HFReference, assert_pool_free, engine_starting
 from furcate.runtime.compiled_decode import compilable
 from furcate.runtime.cuda_graph_runner import capturable
+from furcate.runtime.distributed.parallel_state import TensorParallel
 from furcate.runtime.model.loader import load_config, load_model
+from furcate.runtime.model.weight_update import TensorSpec, WeightWriter
 from test_bf16 import BF16_LOGPROB_TOLERANCE, _compare, _engine_prompt_logprobs, _hf_bf16
 from test_greedy_matches_hf import make_prompts
 from tiny_families import FAMILY_NAMES, TP_FAMILIES, build_family_model
@@ -144,3 +147,20 @@ def test_compiled_decode_and_cuda_graphs_refuse_what_they_cannot_replay(family, 
         assert "LongRoPE" in capturable(model)
     else:
         assert capturable(model) is None
+
+
+def test_phi3_fused_tensors_update_on_every_tensor_parallel_rank(family_dirs):
+    """A trainer sends Phi-3's qkv_proj and gate_up_proj whole, as its checkpoint stores them; each rank writes
+    its heads' and columns' parts of each, exactly what loading the checkpoint on that rank gives."""
+    checkpoint = load_file(family_dirs["phi3"] / "model.safetensors")
+    names = ["model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"]
+    for rank in range(2):
+        loaded = load_model(str(family_dirs["phi3"]), torch.float32, tp=TensorParallel(rank, 2))
+        expected = {name: loaded.get_parameter(name).detach().clone() for name in names}
+        writer = WeightWriter(loaded)
+        for name in names:
+            loaded.get_parameter(name).data.zero_()
+        specs = [TensorSpec(name, torch.float32, tuple(checkpoint[name].shape)) for name in names]
+        writer.write(writer.plan(specs), [checkpoint[name] for name in names])
+        for name in names:
+            assert torch.equal(loaded.get_parameter(name), expected[name]), (rank, name)

@@ -197,10 +197,13 @@ class DecoderForCausalLM(nn.Module):
         return view.numel()
 
     def part(self, name: str, tensor: torch.Tensor, where: Where) -> torch.Tensor:
-        """This rank's part of checkpoint tensor `name` (a MoE block's tensors are split as moe.py says)."""
+        """This rank's part of checkpoint tensor `name` (a MoE block's tensors are split as moe.py says; a fused
+        one, which a weight update may send whole, part by part)."""
         if isinstance(where, MoePlacement):
             return where.shard(tensor, self.tp)
-        return tensor if self.tp.size == 1 else self.shard(name, tensor)
+        if self.tp.size == 1:
+            return tensor
+        return torch.cat([self.shard(part, piece) for part, piece in self.unfused([(name, tensor)])], dim=0)
 
     def unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoints that store q/k/v or gate/up fused (Phi-3) split into the HF names of their parts, so the

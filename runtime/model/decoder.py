@@ -28,6 +28,8 @@ STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Where a fused checkpoint tensor's part names sit (see DecoderForCausalLM.unfused).
+FUSED_CHECKPOINT = {part: f".{fused}." for part, (fused, _) in STACKED.items()}
 # Block norms by layout (families.Family.layout): the checkpoint names each layer has.
 LAYOUT_NORMS = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
@@ -41,6 +43,7 @@ Where = tuple[int, int] | MoePlacement | None
 
 
 def attention_spec(config, family: Family, scales: Scales, layer_id: int) -> AttentionSpec:
+    """How layer layer_id's attention differs by family and config."""
     bias = bool(getattr(config, "attention_bias", False))
     qkv_bias = bool(getattr(config, family.qkv_bias_field, False))
     return AttentionSpec(
@@ -296,11 +299,6 @@ def _describe(name: str, param: torch.Tensor, pieces: dict[Where, int]) -> str:
         return name
     lacking = [e for e in range(param.shape[0]) if per_expert.get(e, 0) < param[0].numel()]
     return f"{name} (experts {lacking})"
-
-
-# Where a fused checkpoint tensor's part names sit (see DecoderForCausalLM.unfused).
-FUSED_CHECKPOINT = {"q_proj": ".qkv_proj.", "k_proj": ".qkv_proj.", "v_proj": ".qkv_proj.",
-                    "gate_proj": ".gate_up_proj.", "up_proj": ".gate_up_proj."}
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

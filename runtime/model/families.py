@@ -27,22 +27,27 @@ class Scales:
 
 
 def no_scales(config) -> Scales:
+    """Llama's: no multiplier anywhere."""
     return Scales()
 
 
 def gemma_scales(config) -> Scales:
+    """sqrt(hidden) on the embeddings, query_pre_attn_scalar's softmax scale, Gemma 2's soft caps."""
     return Scales(embed=config.hidden_size**0.5, attention=config.query_pre_attn_scalar**-0.5,
                   final_logit_cap=getattr(config, "final_logit_softcapping", None),
                   attention_logit_cap=getattr(config, "attn_logit_softcapping", None))
 
 
 def granite_scales(config) -> Scales:
+    """Granite's four multipliers, each a config field."""
     return Scales(embed=config.embedding_multiplier, residual=config.residual_multiplier,
                   attention=config.attention_multiplier, logit_divisor=config.logits_scaling)
 
 
 @dataclass(frozen=True)
 class Family:
+    """One architecture's flags: what the decoder builds differently for it."""
+
     qkv_bias: bool | None  # None: read the config's qkv_bias_field
     o_bias: bool | None
     qk_norm: str | None = None  # "head": one norm per head (Qwen3, Gemma 3); "projection": over all heads (OLMo 2)
@@ -88,6 +93,7 @@ MODEL_TYPES = {name.removesuffix("ForCausalLM").lower(): name for name in FAMILI
 
 
 def layer_window(config, family: Family, layer_id: int) -> int | None:
+    """Layer layer_id's sliding window (by its layer type, or the model-wide one), None for full attention."""
     if getattr(config, "use_sliding_window", True) is False:  # Qwen2 and SmolLM3 list layer types regardless
         return None
     layer_types = getattr(config, "layer_types", None)

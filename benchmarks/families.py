@@ -1,4 +1,4 @@
-"""Tokens per second of every dense family at one small-but-realistic shape (random weights), furcate against HF
+"""Tokens per second of every family at one small-but-realistic shape (random weights), furcate against HF
 transformers' generate on the same weights, to catch a family whose path is slow.
 
 Per family, in one process, one after the other with the same thread count, float32 (so greedy outputs can be
@@ -24,7 +24,7 @@ import time
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 from benchmarks.peers_report import cpu_flags
 from furcate import Engine
@@ -32,13 +32,24 @@ from furcate.runtime.model.default_model import prepare_default_model
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the families' configs are the tests' (tiny_families.py)
-from tiny_families import COMMON, FAMILY_NAMES, build_family_model  # noqa: E402
+from tiny_families import COMMON, FAMILY_CONFIGS, FAMILY_NAMES  # noqa: E402
+from tiny_models import build_tiny_model  # noqa: E402
 
 # A 60M-parameter decoder (most of it the 49k-token embedding): big enough that matmuls, not Python, dominate HF's
 # step, small enough for a 2-core run of every family in minutes.
 SHAPE = COMMON | {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
                   "num_key_value_heads": 4, "max_position_embeddings": 2048}
 NEW_TOKENS = 64
+# Mixture-of-experts families at the same shape: 8 experts of a quarter of the dense MLP's width, top 2.
+MOE_CONFIGS = {
+    "qwen3_moe": lambda shape: Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=shape["intermediate_size"] // 4),
+    "mixtral": lambda shape: MixtralConfig(**shape | {"intermediate_size": shape["intermediate_size"] // 4},
+                                           num_local_experts=8, num_experts_per_tok=2),
+}
+# Llama, the family every other extends, as the baseline a slow family stands out against.
+BASELINE = {"llama": lambda shape: LlamaConfig(**shape, tie_word_embeddings=True)}
+CONFIGS = BASELINE | FAMILY_CONFIGS | MOE_CONFIGS
 RESULTS = HERE / "results"
 
 
@@ -110,7 +121,7 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default=",".join(FAMILY_NAMES))
+    parser.add_argument("--families", default=",".join([*BASELINE, *FAMILY_NAMES, *sorted(MOE_CONFIGS)]))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     report = {"date": datetime.date.today().isoformat(), "cpu_flags": cpu_flags(), "threads": args.threads,
@@ -123,7 +134,8 @@ def main() -> None:
     tokenizer_dir = prepare_default_model(progress=None)
     with tempfile.TemporaryDirectory() as root:
         for family in args.families.split(","):
-            model_dir = build_family_model(family, pathlib.Path(root) / family, tokenizer_dir, SHAPE)
+            model_dir = build_tiny_model(family, pathlib.Path(root) / family, tokenizer_dir,
+                                         config=CONFIGS[family](SHAPE))
             report["families"][family] = compare(furcate_run(model_dir, batch, args.threads),
                                                  hf_run(model_dir, batch, args.threads))
             print(family, report["families"][family], flush=True)

@@ -38,8 +38,13 @@ MOE_REASON = ("its mixture-of-experts layers group tokens by expert in sizes kno
 
 
 def capturable(model) -> str | None:
-    """Why the model's decode cannot be captured in a CUDA graph, or None."""
-    return MOE_REASON if model.family.moe is not None else None
+    """Why the model's decode cannot be captured in a CUDA graph, or None. LongRoPE picks each request's
+    factors from its length on the host, which a replay would not redo."""
+    if model.family.moe is not None:
+        return MOE_REASON
+    if model.model.rotary.long_after is not None:
+        return "its LongRoPE factors depend on each request's length"
+    return None
 
 
 def supports_cuda_graphs(backend) -> bool:

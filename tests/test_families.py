@@ -6,14 +6,20 @@ bfloat16; unsupported architectures are refused by name."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import EXACT, NO_GRAMMAR, HFReference, assert_pool_free, engine_starting
-from furcate.runtime.model.loader import load_config
+from furcate.runtime.compiled_decode import compilable
+from furcate.runtime.cuda_graph_runner import capturable
+from furcate.runtime.distributed.parallel_state import TensorParallel
+from furcate.runtime.model.loader import load_config, load_model
+from furcate.runtime.model.weight_update import TensorSpec, WeightWriter
 from test_bf16 import BF16_LOGPROB_TOLERANCE, _compare, _engine_prompt_logprobs, _hf_bf16
 from test_greedy_matches_hf import make_prompts
 from tiny_families import FAMILY_NAMES, TP_FAMILIES, build_family_model
@@ -56,20 +62,23 @@ def generate_all(engine) -> tuple[list[list[int]], list[dict]]:
     return outputs + [first["output_ids"]] + [r["output_ids"] for r in rest], [r["meta_info"] for r in rest]
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_family_greedy_equals_hf(family, family_dirs, expected):
-    """Radix on with prefill in chunks of 16 (prompts run to ~90 tokens), then radix off with whole prefills."""
-    with engine_starting(str(family_dirs[family]), **ENGINE_ARGS, chunked_prefill_size=16,
-                         max_running_requests=4) as started:
-        reference = expected(family)
+def assert_greedy_equals_hf(model_dir: Path, reference: Callable[[], list[list[int]]]) -> None:
+    """Radix on with prefill in chunks of 16 (prompts run to ~90 tokens), then radix off with whole prefills;
+    reference() computes HF's outputs while the first engine starts."""
+    with engine_starting(str(model_dir), **ENGINE_ARGS, chunked_prefill_size=16, max_running_requests=4) as started:
+        expected = reference()
         engine = started()
         outputs, cached_meta = generate_all(engine)
-        assert outputs == reference
+        assert outputs == expected
         assert all(meta["cached_tokens"] >= 10 for meta in cached_meta), cached_meta
         assert_pool_free(engine)
-    with engine_starting(str(family_dirs[family]), **ENGINE_ARGS, disable_radix_cache=True) as started:
-        engine = started()
-        assert generate_all(engine)[0] == reference
+    with engine_starting(str(model_dir), **ENGINE_ARGS, disable_radix_cache=True) as started:
+        assert generate_all(started())[0] == expected
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_family_greedy_equals_hf(family, family_dirs, expected):
+    assert_greedy_equals_hf(family_dirs[family], lambda: expected(family))
 
 
 @pytest.mark.parametrize("family", TP_FAMILIES)
@@ -114,9 +123,48 @@ def test_unsupported_architecture_is_refused_with_the_list(family_dirs, tmp_path
         load_config(str(tmp_path))
 
 
-def test_bidirectional_gemma_is_refused(family_dirs, tmp_path):
-    config = json.loads((family_dirs["gemma3"] / "config.json").read_text())
-    config["use_bidirectional_attention"] = True
+@pytest.mark.parametrize("family, field, value, reason", [
+    ("gemma3", "use_bidirectional_attention", True, "bidirectional attention"),
+    ("gemma2", "attn_logit_softcapping", 0.0, "attn_logit_softcapping must be positive"),
+    ("gemma2", "final_logit_softcapping", -3.0, "final_logit_softcapping must be positive"),
+    ("smollm3", "no_rope_layers", [1, 0], "no_rope_layers lists 2 layers of 4"),
+    ("phi4", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5625},
+     "odd rotary width"),
+])
+def test_configs_hf_would_compute_garbage_from_are_refused(family, field, value, reason, family_dirs, tmp_path):
+    config = json.loads((family_dirs[family] / "config.json").read_text())
+    config[field] = value
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="bidirectional attention"):
+    with pytest.raises(ValueError, match=reason):
         load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("family, reason", [("gemma2", "sliding windows"), ("phi3", "LongRoPE"),
+                                            ("phi4", None), ("granite", None)])
+def test_compiled_decode_and_cuda_graphs_refuse_what_they_cannot_replay(family, reason, family_dirs):
+    """A graph replays what it captured: LongRoPE's per-request choice is made on the host (both refuse); windows
+    and soft caps need attention the compiled step lacks (it refuses); the rest run in both."""
+    model = load_model(str(family_dirs[family]), torch.float32)
+    why = compilable(model)
+    assert (why is None) if reason is None else (reason in why)
+    if family == "phi3":
+        assert "LongRoPE" in capturable(model)
+    else:
+        assert capturable(model) is None
+
+
+def test_phi3_fused_tensors_update_on_every_tensor_parallel_rank(family_dirs):
+    """A trainer sends Phi-3's qkv_proj and gate_up_proj whole, as its checkpoint stores them; each rank writes
+    its heads' and columns' parts of each, exactly what loading the checkpoint on that rank gives."""
+    checkpoint = load_file(family_dirs["phi3"] / "model.safetensors")
+    names = ["model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"]
+    for rank in range(2):
+        loaded = load_model(str(family_dirs["phi3"]), torch.float32, tp=TensorParallel(rank, 2))
+        expected = {name: loaded.get_parameter(name).detach().clone() for name in names}
+        writer = WeightWriter(loaded)
+        for name in names:
+            loaded.get_parameter(name).data.zero_()
+        specs = [TensorSpec(name, torch.float32, tuple(checkpoint[name].shape)) for name in names]
+        writer.write(writer.plan(specs), [checkpoint[name] for name in names])
+        for name in names:
+            assert torch.equal(loaded.get_parameter(name), expected[name]), (rank, name)

@@ -1,9 +1,12 @@
 """GGUF files beyond llama: each architecture furcate converts, written from a tiny random HF model the way
 llama.cpp writes it, converts back to that model's tensors and config (and to transformers' own GGUF tensors);
-llama, qwen2 and qwen3 run greedy on the engine exactly as HF generate does. Q4_K blocks run on the int4 kernel
-as gguf.quants dequantizes them, Q6_K ones dense; unknown and broken files are clear errors."""
+each runs greedy on the engine exactly as HF generate does on the original. Q4_K blocks run on the int4 kernel
+as gguf.quants dequantizes them, Q6_K ones dense; unknown and broken files are clear errors; furcate's own GGUF
+reader reads what gguf's does."""
 
 from __future__ import annotations
+
+import struct
 
 import numpy as np
 import pytest
@@ -17,6 +20,8 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from conftest import EXACT, NO_GRAMMAR, assert_pool_free, engine_starting, engines_side_by_side
 from furcate.runtime.model.default_model import find_default_gguf, prepare_gguf_model, prepare_user_gguf
+from furcate.runtime.model.gguf_arch import open_gguf
+from furcate.runtime.model.gguf_reader import read_gguf
 from furcate.runtime.model.quantize import gguf_block_weights
 from furcate.runtime.model.quantized import Int4Linear, read_blocks
 from tiny_gguf_families import CONFIGS, build_hf_model, quantize_q4_k, quantize_q6_k, write_gguf
@@ -217,3 +222,53 @@ def test_engine_on_q4_k_and_q6_k_is_greedy_as_on_its_dequantized_weights(tmp_pat
         for engine in engines:
             assert_pool_free(engine)
     assert outputs[0] == outputs[1]
+
+
+def test_the_fast_reader_reads_what_gguf_reads(tmp_path):
+    """furcate's reader against gguf's GGUFReader on the default model (Q4_1, Q8_0, F32) and a file of Q4_K and
+    Q6_K blocks: every metadata value (long string arrays as their lengths), every tensor's name, type, shape,
+    numpy view and bytes."""
+    k_file = write_gguf(build_hf_model("llama", **K_WIDTH), "llama", tmp_path / "k.gguf", find_default_gguf(),
+                        types=_k_type)
+    for path in (find_default_gguf(), k_file):
+        ours, theirs = read_gguf(str(path)), GGUFReader(path)
+        for key, field in theirs.fields.items():
+            if not key.startswith("GGUF."):  # the header, which GGUFReader lists as fields
+                mine, value = ours.values[key], field.contents()
+                if isinstance(mine, np.ndarray):  # a long scalar array (token types), kept as a view
+                    assert np.array_equal(mine, value), key
+                else:
+                    assert mine == (len(value) if isinstance(mine, int) and isinstance(value, list) else value), key
+        assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == [
+            (t.name, t.tensor_type, tuple(int(n) for n in t.shape)) for t in theirs.tensors]
+        for mine, reference in zip(ours.tensors, theirs.tensors):
+            assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+            assert np.array_equal(mine.data.view(np.uint8), reference.data.view(np.uint8)), mine.name
+
+
+def _header(tensors: int, values: int, version: int = 3) -> bytes:
+    return struct.pack("<4sIQQ", b"GGUF", version, tensors, values)
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+HOSTILE = {
+    "a string of 2^60 bytes": _header(0, 1) + _key("general.name") + struct.pack("<IQ", 8, 2**60),
+    "2^60 tensors": _header(2**60, 0),
+    "an array of 2^60 floats": _header(0, 1) + _key("x") + struct.pack("<IIQ", 9, 6, 2**60),
+    "alignment 0": _header(0, 1) + _key("general.alignment") + struct.pack("<II", 4, 0),
+    "big-endian": struct.pack(">4sIQQ", b"GGUF", 3, 0, 0),
+    "a Q4_K row of 100 weights": _header(1, 0) + _key("blk.0.attn_q.weight")
+    + struct.pack("<I2QIQ", 2, 100, 4, int(Q.Q4_K), 0) + bytes(64),
+    "arrays nested 2^20 deep": _header(0, 1) + _key("x") + struct.pack("<II", 9, 9) * 2**20,
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_header_is_a_clear_error_at_once(case, tmp_path):
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(HOSTILE[case])
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        open_gguf(path)

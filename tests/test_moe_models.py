@@ -23,7 +23,7 @@ from furcate.runtime.distributed.tp_layers import check_tp_size
 from furcate.runtime.model.loader import load_config, load_model
 from furcate.runtime.model.moe import SparseMoE
 from furcate.runtime.model.weight_update import TensorSpec, WeightWriter
-from test_families import ENGINE_ARGS, generate_all, hf_outputs
+from test_families import ENGINE_ARGS, assert_greedy_equals_hf, generate_all, hf_outputs
 from tiny_models import COMMON, build_tiny_model
 
 MOE = {"num_hidden_layers": 2, "num_experts_per_tok": 2, "tie_word_embeddings": False}
@@ -75,18 +75,7 @@ def expected(model_dirs, tokenizer):
 
 @pytest.mark.parametrize("name", [name for name in MODEL_NAMES if name not in ROUTING_VARIANTS])
 def test_moe_greedy_equals_hf(name, model_dirs, expected):
-    """Radix on with prefill in chunks of 16, then radix off with whole prefills."""
-    with engine_starting(str(model_dirs[name]), **ENGINE_ARGS, chunked_prefill_size=16,
-                         max_running_requests=4) as started:
-        reference = expected(name)
-        engine = started()
-        outputs, cached_meta = generate_all(engine)
-        assert outputs == reference
-        assert all(meta["cached_tokens"] >= 10 for meta in cached_meta), cached_meta
-        assert_pool_free(engine)
-    with engine_starting(str(model_dirs[name]), **ENGINE_ARGS, disable_radix_cache=True) as started:
-        engine = started()
-        assert generate_all(engine)[0] == reference
+    assert_greedy_equals_hf(model_dirs[name], lambda: expected(name))
 
 
 @pytest.mark.parametrize("name", ROUTING_VARIANTS)

@@ -12,6 +12,7 @@ stacked along the query axis, so SDPA sees KV heads as its heads.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -216,7 +217,7 @@ class TorchNativeAttention:
         return merge(out_prefix, lse_prefix, out_suffix, lse_suffix)
 
 
-def soft_capped_attention(cap: float):
+def soft_capped_attention(cap: float) -> Callable[..., torch.Tensor]:
     """SDPA's signature for attention whose scores are soft-capped, cap * tanh(s / cap), before the mask (Gemma 2;
     SDPA has no such hook). The arithmetic order of HF's eager Gemma 2 attention; softmax in float32."""
 

@@ -28,6 +28,8 @@ STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Where a fused checkpoint tensor's part names sit (see DecoderForCausalLM.unfused).
+FUSED_CHECKPOINT = {part: f".{fused}." for part, (fused, _) in STACKED.items()}
 # Block norms by layout (families.Family.layout): the checkpoint names each layer has.
 LAYOUT_NORMS = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
@@ -41,6 +43,7 @@ Where = tuple[int, int] | MoePlacement | None
 
 
 def attention_spec(config, family: Family, scales: Scales, layer_id: int) -> AttentionSpec:
+    """How layer layer_id's attention differs by family and config."""
     bias = bool(getattr(config, "attention_bias", False))
     qkv_bias = bool(getattr(config, family.qkv_bias_field, False))
     return AttentionSpec(
@@ -197,10 +200,13 @@ class DecoderForCausalLM(nn.Module):
         return view.numel()
 
     def part(self, name: str, tensor: torch.Tensor, where: Where) -> torch.Tensor:
-        """This rank's part of checkpoint tensor `name` (a MoE block's tensors are split as moe.py says)."""
+        """This rank's part of checkpoint tensor `name` (a MoE block's tensors are split as moe.py says; a fused
+        one, which a weight update may send whole, part by part)."""
         if isinstance(where, MoePlacement):
             return where.shard(tensor, self.tp)
-        return tensor if self.tp.size == 1 else self.shard(name, tensor)
+        if self.tp.size == 1:
+            return tensor
+        return torch.cat([self.shard(part, piece) for part, piece in self.unfused([(name, tensor)])], dim=0)
 
     def unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoints that store q/k/v or gate/up fused (Phi-3) split into the HF names of their parts, so the
@@ -293,11 +299,6 @@ def _describe(name: str, param: torch.Tensor, pieces: dict[Where, int]) -> str:
         return name
     lacking = [e for e in range(param.shape[0]) if per_expert.get(e, 0) < param[0].numel()]
     return f"{name} (experts {lacking})"
-
-
-# Where a fused checkpoint tensor's part names sit (see DecoderForCausalLM.unfused).
-FUSED_CHECKPOINT = {"q_proj": ".qkv_proj.", "k_proj": ".qkv_proj.", "v_proj": ".qkv_proj.",
-                    "gate_proj": ".gate_up_proj.", "up_proj": ".gate_up_proj."}
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -27,22 +27,27 @@ class Scales:
 
 
 def no_scales(config) -> Scales:
+    """Llama's: no multiplier anywhere."""
     return Scales()
 
 
 def gemma_scales(config) -> Scales:
+    """sqrt(hidden) on the embeddings, query_pre_attn_scalar's softmax scale, Gemma 2's soft caps."""
     return Scales(embed=config.hidden_size**0.5, attention=config.query_pre_attn_scalar**-0.5,
                   final_logit_cap=getattr(config, "final_logit_softcapping", None),
                   attention_logit_cap=getattr(config, "attn_logit_softcapping", None))
 
 
 def granite_scales(config) -> Scales:
+    """Granite's four multipliers, each a config field."""
     return Scales(embed=config.embedding_multiplier, residual=config.residual_multiplier,
                   attention=config.attention_multiplier, logit_divisor=config.logits_scaling)
 
 
 @dataclass(frozen=True)
 class Family:
+    """One architecture's flags: what the decoder builds differently for it."""
+
     qkv_bias: bool | None  # None: read the config's qkv_bias_field
     o_bias: bool | None
     qk_norm: str | None = None  # "head": one norm per head (Qwen3, Gemma 3); "projection": over all heads (OLMo 2)
@@ -88,6 +93,7 @@ MODEL_TYPES = {name.removesuffix("ForCausalLM").lower(): name for name in FAMILI
 
 
 def layer_window(config, family: Family, layer_id: int) -> int | None:
+    """Layer layer_id's sliding window (by its layer type, or the model-wide one), None for full attention."""
     if getattr(config, "use_sliding_window", True) is False:  # Qwen2 and SmolLM3 list layer types regardless
         return None
     layer_types = getattr(config, "layer_types", None)
@@ -97,7 +103,30 @@ def layer_window(config, family: Family, layer_id: int) -> int | None:
 
 
 def refusal(config) -> str | None:
-    """Why a config of a listed architecture still cannot run, or None."""
+    """Why a config of a listed architecture still cannot run, or None: what the decoder does not serve, and
+    values HF would accept but compute garbage from (a zero cap divides by zero; an odd rotary width rotates a
+    dimension more than it says)."""
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention (an embedding model) is not a decoder furcate serves"
+    uses_rope = getattr(config, "no_rope_layers", None)
+    if uses_rope is not None and len(uses_rope) != config.num_hidden_layers:
+        return f"no_rope_layers lists {len(uses_rope)} layers of {config.num_hidden_layers}"
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "clip_qkv"):
+        value = getattr(config, name, None)
+        if value is not None and not value > 0:
+            return f"{name} must be positive or null, got {value!r}"
+    step = getattr(config, "decoder_sparse_step", None)
+    if step is not None and step < 1:
+        return f"decoder_sparse_step must be at least 1, got {step!r}"
+    return odd_rotary(config)
+
+
+def odd_rotary(config) -> str | None:
+    """Why a (per layer type) partial rotary factor cannot be served, or None."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    for params in (rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]):
+        rotary_dim = int(head_dim * (params or {}).get("partial_rotary_factor", 1.0))
+        if rotary_dim % 2:
+            return f"partial_rotary_factor gives an odd rotary width ({rotary_dim} of head_dim {head_dim})"
     return None

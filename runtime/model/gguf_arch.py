@@ -11,13 +11,12 @@ query_pre_attn_scalar, Phi-3's sliding window, partial rotary factor and LongRoP
 from __future__ import annotations
 
 import pathlib
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
-from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 from transformers import (
     Gemma2Config,
@@ -29,17 +28,15 @@ from transformers import (
     Qwen3Config,
 )
 
-# Large arrays that the tokenizer conversion reads itself; decoding them here would only cost time.
-VOCAB_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                "tokenizer.ggml.scores"}
+from .gguf_reader import GGUFFile, GGUFTensor, read_gguf
 
 
 @dataclass(frozen=True)
 class GGUFMeta:
-    """A GGUF file's metadata (vocabulary arrays left out) and its tensors by GGUF name."""
+    """A GGUF file's metadata (vocabulary arrays as their lengths) and its tensors by GGUF name."""
 
     values: dict[str, Any]
-    tensors: dict[str, ReaderTensor]
+    tensors: dict[str, GGUFTensor]
 
     @property
     def arch(self) -> str:
@@ -61,15 +58,14 @@ class GGUFMeta:
         return [float(x) for x in dequantize(found.data, found.tensor_type).reshape(-1)]
 
 
-def open_gguf(path: str | pathlib.Path) -> tuple[GGUFReader, GGUFMeta]:
-    """The file's reader and metadata; a file that is not a whole GGUF is a clear error."""
+def open_gguf(path: str | pathlib.Path) -> tuple[GGUFFile, GGUFMeta]:
+    """The file and its metadata; a file that is not a whole GGUF is a clear error."""
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError) as error:
+        gguf = read_gguf(str(path))
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error) as error:
         raise ValueError(f"{pathlib.Path(path).name} is not a readable GGUF file (truncated or corrupt?): "
                          f"{error}") from error
-    values = {k: f.contents() for k, f in reader.fields.items() if k not in VOCAB_FIELDS}
-    return reader, GGUFMeta(values, {t.name: t for t in reader.tensors})
+    return gguf, GGUFMeta(gguf.values, {t.name: t for t in gguf.tensors})
 
 
 # Config builders. Every GGUF states its shape in the same keys; each family adds its own.
@@ -113,7 +109,11 @@ def _llama_config(meta: GGUFMeta) -> LlamaConfig:
     head_dim = _head_dim(meta)
     if meta.get("rope.dimension_count", head_dim) != head_dim:
         raise ValueError("partial rotary embeddings are not supported for llama")
-    # llama 3's rope_freqs tensor is left out, as transformers does: the file keeps no rope_scaling to rebuild.
+    if "rope_freqs.weight" in meta.tensors:
+        # Llama 3.1+'s rope scaling, which llama.cpp stores only as these per-frequency divisors (no rope_scaling
+        # keys to rebuild HF's llama3 rope from). transformers drops them and rotates unscaled; refused instead.
+        raise ValueError("this llama GGUF scales its rotary frequencies by a rope_freqs tensor (Llama 3.1 and "
+                         "later), which furcate does not convert; load the model's Hugging Face directory instead")
     return LlamaConfig(**_shape(meta), head_dim=head_dim, rope_parameters=_rope(meta))
 
 
@@ -275,7 +275,7 @@ def hf_config(meta: GGUFMeta) -> PretrainedConfig:
     return config
 
 
-def hf_weight(arch: GGUFArch, meta: GGUFMeta, tensor: ReaderTensor) -> np.ndarray:
+def hf_weight(arch: GGUFArch, meta: GGUFMeta, tensor: GGUFTensor) -> np.ndarray:
     """A GGUF tensor as float32 in HF's layout: dequantized, rope rows back in HF's order, norms unshifted."""
     weight = dequantize(tensor.data, tensor.tensor_type)
     heads = arch.rope_heads(tensor.name, meta)

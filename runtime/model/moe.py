@@ -217,6 +217,11 @@ def _expert_placement(style: MoeStyle, expert: int, projection: str) -> MoePlace
 def split_moe_name(style: MoeStyle, name: str) -> tuple[str, str] | None:
     """(layer path, name within the block) of a full checkpoint name under the layer's MoE module name, e.g.
     "model.layers.0.block_sparse_moe.gate.weight" -> ("model.layers.0", "gate.weight"); None for other names.
-    Qwen's dense layers share the name "mlp": only a layer that is_sparse_layer holds a SparseMoE."""
-    layer, marker, inner = name.partition(f".{style.checkpoint_module}.")
-    return (layer, inner) if marker else None
+    Qwen's dense layers share the name "mlp": only a layer that is_sparse_layer holds a SparseMoE. transformers 5
+    names Mixtral's block "mlp" in memory (an RL trainer's weight updates) and "block_sparse_moe" on disk: both
+    are taken."""
+    for module in dict.fromkeys((style.checkpoint_module, "mlp")):
+        layer, marker, inner = name.partition(f".{module}.")
+        if marker:
+            return layer, inner
+    return None

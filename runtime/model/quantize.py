@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pathlib
 
-from gguf.gguf_reader import ReaderTensor
 from torch import nn
 
 from .decoder import STACKED, DecoderForCausalLM
 from .default_model import gguf_source
 from .gguf_arch import GGUFArch, GGUFMeta, gguf_arch, open_gguf, rope_row_order
+from .gguf_reader import GGUFTensor
 from .kernel_choice import ROW_LADDER, small_batch_rows
 from .quantized import (
     SUPPORTED_TYPES,
@@ -41,7 +41,7 @@ def gguf_block_weights(gguf_path: str | pathlib.Path) -> dict[str, BlockWeights]
     return weights
 
 
-def _hf_blocks(arch: GGUFArch, meta: GGUFMeta, tensor: ReaderTensor) -> BlockWeights:
+def _hf_blocks(arch: GGUFArch, meta: GGUFMeta, tensor: GGUFTensor) -> BlockWeights:
     cols, rows = (int(n) for n in tensor.shape[:2])  # GGUF lists the fastest-varying dimension first
     blocks = read_blocks(tensor.tensor_type.name, tensor.data, rows, cols)
     heads = arch.rope_heads(tensor.name, meta)

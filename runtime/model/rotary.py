@@ -30,6 +30,7 @@ def rope_parameters(config, layer_type: str | None) -> dict:
 
 
 def is_per_layer_type(rope: dict) -> bool:
+    """Whether rope settings are nested by layer type (Gemma 3's {"sliding_attention": {...}, ...})."""
     return bool(rope) and all(isinstance(value, dict) for value in rope.values())
 
 

@@ -81,14 +81,19 @@ def test_family_greedy_equals_hf(family, family_dirs, expected):
     assert_greedy_equals_hf(family_dirs[family], lambda: expected(family))
 
 
+def assert_tensor_parallel_greedy_equals_hf(model_dir: Path, reference: Callable[[], list[list[int]]]) -> None:
+    """tp_size 2 (two processes over gloo), prefill in chunks of 16, radix on."""
+    with engine_starting(str(model_dir), **ENGINE_ARGS | {"torch_num_threads": 1}, tp_size=2,
+                         chunked_prefill_size=16) as started:
+        expected = reference()
+        engine = started()
+        assert generate_all(engine)[0] == expected
+        assert_pool_free(engine)
+
+
 @pytest.mark.parametrize("family", TP_FAMILIES)
 def test_family_tensor_parallel_greedy_equals_hf(family, family_dirs, expected):
-    with engine_starting(str(family_dirs[family]), **ENGINE_ARGS | {"torch_num_threads": 1}, tp_size=2,
-                         chunked_prefill_size=16) as started:
-        reference = expected(family)
-        engine = started()
-        assert generate_all(engine)[0] == reference
-        assert_pool_free(engine)
+    assert_tensor_parallel_greedy_equals_hf(family_dirs[family], lambda: expected(family))
 
 
 # Families whose bfloat16 arithmetic differs from Llama's: Gemma's norms in float32 around (1 + w) and its soft caps,

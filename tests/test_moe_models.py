@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from conftest import assert_pool_free, engine_starting
+from conftest import engine_starting
 from furcate.runtime.compiled_decode import compilable
 from furcate.runtime.cuda_graph_runner import capturable
 from furcate.runtime.distributed.parallel_state import TensorParallel
@@ -23,7 +23,13 @@ from furcate.runtime.distributed.tp_layers import check_tp_size
 from furcate.runtime.model.loader import load_config, load_model
 from furcate.runtime.model.moe import SparseMoE
 from furcate.runtime.model.weight_update import TensorSpec, WeightWriter
-from test_families import ENGINE_ARGS, assert_greedy_equals_hf, generate_all, hf_outputs
+from test_families import (
+    ENGINE_ARGS,
+    assert_greedy_equals_hf,
+    assert_tensor_parallel_greedy_equals_hf,
+    generate_all,
+    hf_outputs,
+)
 from tiny_models import COMMON, build_tiny_model
 
 MOE = {"num_hidden_layers": 2, "num_experts_per_tok": 2, "tie_word_embeddings": False}
@@ -87,12 +93,7 @@ def test_moe_routing_variant_greedy_equals_hf(name, model_dirs, expected):
 
 @pytest.mark.parametrize("name", TP_MODELS)
 def test_moe_tensor_parallel_greedy_equals_hf(name, model_dirs, expected):
-    with engine_starting(str(model_dirs[name]), **ENGINE_ARGS | {"torch_num_threads": 1}, tp_size=2,
-                         chunked_prefill_size=16) as started:
-        reference = expected(name)
-        engine = started()
-        assert generate_all(engine)[0] == reference
-        assert_pool_free(engine)
+    assert_tensor_parallel_greedy_equals_hf(model_dirs[name], lambda: expected(name))
 
 
 def test_a_checkpoint_missing_an_expert_is_refused_by_name(model_dirs, tmp_path):

@@ -25,6 +25,18 @@ def _permute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
         weight.shape)
 
 
+def write_tokenizer(writer: GGUFWriter, source: GGUFReader, pre: str) -> None:
+    """The default model's byte-level BPE vocabulary, special tokens and chat template, under pre-tokenizer pre."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+        writer.add_uint32(f"tokenizer.ggml.{key}", int(source.fields[f"tokenizer.ggml.{key}"].contents()))
+    writer.add_chat_template(source.fields["tokenizer.chat_template"].contents())
+
+
 def build_tiny_gguf(path: Path, default_gguf: Path, seed: int = 0) -> Path:
     source = GGUFReader(default_gguf)
     vocab = int(source.fields["llama.vocab_size"].contents())
@@ -39,14 +51,7 @@ def build_tiny_gguf(path: Path, default_gguf: Path, seed: int = 0) -> Path:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
-    writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
-    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
-        writer.add_uint32(f"tokenizer.ggml.{key}", int(source.fields[f"tokenizer.ggml.{key}"].contents()))
-    writer.add_chat_template(source.fields["tokenizer.chat_template"].contents())
+    write_tokenizer(writer, source, "smollm")
 
     rng = np.random.default_rng(seed)
 

@@ -25,7 +25,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from tiny_gguf import _permute_rope
+from tiny_gguf import _permute_rope, write_tokenizer
 
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=1,
@@ -79,7 +79,7 @@ def write_gguf(model: PreTrainedModel, arch: str, path: Path, default_gguf: Path
     writer = GGUFWriter(str(path), arch)
     _write_shape(writer, arch, config)
     _EXTRA_KEYS.get(arch, lambda w, c: None)(writer, config)
-    _write_tokenizer(writer, GGUFReader(default_gguf), PRE_TOKENIZER.get(arch, "smollm"))
+    write_tokenizer(writer, GGUFReader(default_gguf), PRE_TOKENIZER.get(arch, "smollm"))
     for name, data in _gguf_tensors(model, arch):
         qtype = types(name) if types and data.ndim == 2 else Q.F32
         writer.add_tensor(name, QUANTIZERS[qtype](data), raw_dtype=None if qtype == Q.F32 else qtype)
@@ -134,17 +134,6 @@ def _phi3_keys(writer: GGUFWriter, config: PretrainedConfig) -> None:
 
 
 _EXTRA_KEYS = {"llama": _llama_keys, "gemma2": _gemma2_keys, "gemma3": _gemma3_keys, "phi3": _phi3_keys}
-
-
-def _write_tokenizer(writer: GGUFWriter, source: GGUFReader, pre: str) -> None:
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
-    writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
-    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
-        writer.add_uint32(f"tokenizer.ggml.{key}", int(source.fields[f"tokenizer.ggml.{key}"].contents()))
-    writer.add_chat_template(source.fields["tokenizer.chat_template"].contents())
 
 
 def _gguf_tensors(model: PreTrainedModel, arch: str) -> list[tuple[str, np.ndarray]]:

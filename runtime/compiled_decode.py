@@ -32,7 +32,15 @@ from .cuda_graph_runner import MOE_REASON, one_token_each
 
 logger = logging.getLogger("furcate.compiled_decode")
 
-COMPILE_OPTIONS = {"emulate_precision_casts": True}
+def call_guards(entries) -> list[bool]:
+    """Which of dynamo's guards a compiled step keeps: those on the step's own inputs (the batch's shape picks the
+    graph). Guards on the model's modules and the KV buffers go: over 7,000 of them, ~1 ms of checks a step at
+    batch 1, on things that stay put while the engine lives (modules, dtypes, the pool's layout). Weight updates
+    and memory release swap tensors' data, not their shapes, and a graph reads the tensors afresh on each call."""
+    return [not (entry.name.startswith("self.") or "_buffers[" in entry.name) for entry in entries]
+
+
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "guard_filter_fn": call_guards}
 
 
 @dataclass
@@ -130,11 +138,14 @@ class CompiledDecode:
 
     def _dummy_step(self, bs: int) -> None:
         """A decode step of bs requests over KV slot 0 (never handed out): its writes land where nothing lives.
-        Its context length is marked dynamic so the graph serves every length."""
+        Its context length is marked dynamic so the graph serves every length, and so is the pool's size, so the
+        graph inductor caches on disk serves the next start too (the pool's size follows free memory)."""
         plan = DecodePlan(torch.zeros(bs, 2, dtype=torch.long),
                           None if bs == 1 else torch.ones(bs, 1, 1, 2, dtype=torch.bool))
         per_request = [torch.zeros(bs, dtype=torch.long) for _ in range(3)]  # ids, positions, KV slots
         torch._dynamo.mark_dynamic(plan.kv_index, 1)
+        for buffer in (*self.kv_pool.k_buffer, *self.kv_pool.v_buffer):
+            torch._dynamo.mark_dynamic(buffer, 0)
         if bs > 1:
             torch._dynamo.mark_dynamic(plan.key_valid, 3)
             for tensor in (plan.kv_index, plan.key_valid, *per_request):

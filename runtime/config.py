@@ -111,8 +111,9 @@ class EngineArgs:
     # Largest decode batch captured; None: 256 (never more than max_running_requests).
     cuda_graph_max_bs: int | None = None
     # CPU: decode batches of up to torch_compile_max_bs requests run as one torch.compile'd graph
-    # (runtime/compiled_decode.py), compiled at start-up: 30-40 s on 2 cores the first time, ~12 s once inductor's
-    # disk cache holds it. Off: steps run eagerly. Not under tensor parallelism nor with sliding-window layers.
+    # (runtime/compiled_decode.py), compiled at start-up: for the default model on 2 cores ~110 s the first time,
+    # ~20 s once inductor's disk cache holds it. Off: steps run eagerly. Not under tensor parallelism nor with
+    # sliding-window layers.
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     # Seed of the scheduler's sampling generator (requests may carry their own sampling_seed).

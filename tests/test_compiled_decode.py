@@ -89,3 +89,31 @@ def test_a_failed_compile_leaves_decode_eager(tiny_model_dirs, hf_reference, tok
         out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0})
         assert engine.get_stats()["compiled_forward_calls"] == 0
     assert out["output_ids"] == hf_reference("llama").greedy(ids, 12)
+
+
+def test_the_compiled_step_serves_any_pool_size(tiny_model_dirs):
+    """The pool's size follows free memory, so it differs from start to start: a graph specialised on it would
+    miss inductor's disk cache every time (a 110 s compile instead of ~20 s for the default model). The graph
+    compiled over one pool runs over a pool of another size with no recompile."""
+    import torch
+
+    from furcate.runtime.cache.memory_pool import TokenToKVPool
+    from furcate.runtime.compiled_decode import CompiledDecode, DecodePlan
+    from furcate.runtime.model.loader import load_model
+
+    torch.manual_seed(0)
+    model = load_model(str(tiny_model_dirs["llama"]), torch.float32, "cpu")
+    attn = model.model.layers[0].self_attn
+    pools = [TokenToKVPool(size, len(model.model.layers), attn.num_kv_heads, attn.head_dim, torch.float32, "cpu")
+             for size in (300, 700)]
+    compiled = CompiledDecode(model, pools[0], max_bs=1, quantized_max_rows=0)
+    ids, positions, slots = torch.tensor([7]), torch.tensor([2]), torch.tensor([3])
+    plan = DecodePlan(torch.tensor([[1, 2, 3]]), None)
+    logits = []
+    with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
+        for pool in pools:
+            for buffer in (*pool.k_buffer, *pool.v_buffer):
+                buffer[1:3] = 0.5
+            logits.append(compiled.step(ids, positions, slots, plan, pool.k_buffer, pool.v_buffer))
+    torch.testing.assert_close(logits[0], logits[1])
+    assert pools[1].k_buffer[0][3].abs().sum() > 0  # the step wrote its key into the pool it was given

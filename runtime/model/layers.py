@@ -122,7 +122,28 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: CosSin | None, attn: AttentionBackend) -> torch.Tensor:
         """rotary: this layer's (cos, sin), or None for a layer without position embedding (NoPE)."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.rotated(self.qkv_proj(x), rotary)
+        if self.logit_cap is None:  # backends without soft-capping never see the argument
+            return self.o_proj(attn.forward(q, k, v, self.layer_id, self.scaling, self.sliding_window))
+        out = attn.forward(q, k, v, self.layer_id, self.scaling, self.sliding_window, logit_cap=self.logit_cap)
+        return self.o_proj(out)
+
+    def rotated(self, qkv: torch.Tensor, rotary: CosSin | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k and v [T, KV heads, head_dim] of the fused projection, q and k rotated."""
+        if self.q_norm is not None or self.clip_qkv is not None:
+            return self.normed_rotated(qkv, rotary)
+        heads = self.num_heads + self.num_kv_heads
+        # q and k side by side in the projection: one rotation over both heads' rows (a decode step's ops count).
+        qk = qkv[..., : self.q_size + self.kv_size].reshape(-1, heads, self.head_dim)
+        if rotary is not None:
+            qk = apply_rotary(qk, *rotary)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q.contiguous(), k, qkv[..., self.q_size + self.kv_size :].reshape(-1, self.num_kv_heads, self.head_dim)
+
+    def normed_rotated(self, qkv: torch.Tensor,
+                       rotary: CosSin | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rotated() for attention with q/k norms or clipping, which apply to q and k apart before the rotation."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.norm_whole_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -134,10 +155,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if self.logit_cap is None:  # backends without soft-capping never see the argument
-            return self.o_proj(attn.forward(q, k, v, self.layer_id, self.scaling, self.sliding_window))
-        out = attn.forward(q, k, v, self.layer_id, self.scaling, self.sliding_window, logit_cap=self.logit_cap)
-        return self.o_proj(out)
+        return q, k, v
 
 
 def qk_norms(config, spec: AttentionSpec, tp: TensorParallel) -> tuple[RMSNorm | None, RMSNorm | None]:

@@ -65,8 +65,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos_sin(freqs, dtype)
 
     def cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype) -> CosSin:
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        """([T, 1, rotary_dim] cos, the same shape of sin with its first half negated): apply_rotary's tables,
+        shaped to broadcast over the heads and signed so that its rotation is a roll, once per forward."""
+        cos, sin = ((t * self.attention_scaling).to(dtype)[:, None, :] for t in (freqs.cos(), freqs.sin()))
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -127,11 +129,11 @@ def rotary_embedding(config, head_dim: int, layer_type: str = "all") -> RotaryEm
     return MRotaryEmbedding(config, head_dim, sections) if sections else RotaryEmbedding(config, head_dim, per_type)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, rotary_dim], which rotates the first rotary_dim dimensions."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; the tables of cos_sin ([T, 1, rotary_dim]) rotate its first rotary_dim
+    dimensions. HF's x * cos + cat(-x2, x1) * sin, in four ops: cat(x2, x1) is a roll by half, and the sign
+    moved onto the table (-(a * b) == (-a) * b exactly), so the result is HF's to the bit."""
     rotary_dim = cos.shape[-1]
     if rotary_dim < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
-    half = rotary_dim // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]), dim=-1)
+    return x * cos + x.roll(rotary_dim // 2, -1) * signed_sin

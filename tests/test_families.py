@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from conftest import EXACT, NO_GRAMMAR, HFReference, assert_pool_free, engine_starting
 from furcate.runtime.compiled_decode import compilable
@@ -32,6 +33,8 @@ OPENING = "old machines sang over the quiet river of stone, and when the light c
 CACHED_PROMPTS = [OPENING + p for p in PROMPTS[:4]]
 PARAMS = [{"max_new_tokens": 5 + 3 * i if i < 8 else 8, "temperature": 0.0, "ignore_eos": True}
           for i in range(len(PROMPTS))]
+# Logits this close are a tie in float32 at these models' scale (seen: 1.9e-6 between the top two).
+TIE = 1e-4
 ENGINE_ARGS = {**EXACT, **NO_GRAMMAR, "max_total_tokens": 3000, "torch_num_threads": 2}
 
 
@@ -69,11 +72,30 @@ def assert_greedy_equals_hf(model_dir: Path, reference: Callable[[], list[list[i
         expected = reference()
         engine = started()
         outputs, cached_meta = generate_all(engine)
-        assert outputs == expected
+        assert_equal_up_to_ties(outputs, expected, model_dir)
         assert all(meta["cached_tokens"] >= 10 for meta in cached_meta), cached_meta
         assert_pool_free(engine)
     with engine_starting(str(model_dir), **ENGINE_ARGS, disable_radix_cache=True) as started:
-        assert generate_all(started())[0] == expected
+        assert_equal_up_to_ties(generate_all(started())[0], expected, model_dir)
+
+
+def assert_equal_up_to_ties(outputs: list[list[int]], expected: list[list[int]], model_dir: Path) -> None:
+    """Each output is HF's, token for token, except that where it departs HF's logits for its token and HF's must
+    tie within float32 rounding (random weights make such ties: a batch of another size rounds its matmuls
+    differently); what follows a tie is not compared, as the two continue from different text."""
+    assert [len(out) for out in outputs] == [len(exp) for exp in expected], (outputs, expected)
+    departures = [(row, next(i for i, (a, b) in enumerate(zip(out, exp)) if a != b))
+                  for row, (out, exp) in enumerate(zip(outputs, expected)) if out != exp]
+    if not departures:
+        return
+    hf, tokenizer = HFReference(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    prompts = PROMPTS + CACHED_PROMPTS
+    for row, step in departures:
+        context = tokenizer.encode(prompts[row]) + expected[row][:step]
+        with torch.inference_mode():
+            logits = hf.model(torch.tensor([context])).logits[0, -1]
+        gap = (logits[expected[row][step]] - logits[outputs[row][step]]).item()
+        assert gap < TIE, f"prompt {row} departs from HF at output token {step}, {gap:.2e} below HF's choice"
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -1,9 +1,12 @@
-"""Compiled grammars cached by spec in a bounded LRU, compiled on a thread pool so no schema stalls the loop."""
+"""Compiled grammars cached by spec in a bounded LRU, compiled on a thread pool so no schema stalls the loop. The
+backend itself may be built on that pool too (GrammarCache.building), so an engine serves before its grammar tables
+exist."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .base import CompiledGrammar, GrammarBackend, GrammarSpec
@@ -36,12 +39,26 @@ def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int
 
 class GrammarCache:
     def __init__(self, backend: GrammarBackend, max_entries: int = 256, workers: int = 2) -> None:
-        self.backend = backend
         self.max_entries = max_entries
         self._entries: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="furcate-grammar")
+        self._backend: Future[GrammarBackend] = Future()
+        self._backend.set_result(backend)
         self.compile_seconds: deque[float] = deque(maxlen=10_000)
         self._started: dict[GrammarSpec, float] = {}  # time.monotonic() when each compile began running
+
+    @classmethod
+    def building(cls, build: Callable[[], GrammarBackend], max_entries: int = 256, workers: int = 2) -> GrammarCache:
+        """A cache whose backend `build()` makes on the cache's pool (grammar_backend="auto"'s tokenizer tables take
+        ~2.6 s on 2 cores): compiles wait for it, and a build that fails fails each compile with its error."""
+        cache = cls(None, max_entries, workers)  # type: ignore[arg-type] - replaced by the build's future below
+        cache._backend = cache._pool.submit(build)
+        return cache
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """The backend, once built (waits for the build)."""
+        return self._backend.result()
 
     def get(self, spec: GrammarSpec) -> Future:
         """A future of the compiled grammar (already resolved on a hit). A failure raises ValueError from it."""

@@ -98,11 +98,16 @@ class Engine(EngineRl):
             check_tp_size(load_config(self.model_path), self.args.tp_size)
         self.args = prepare_draft_model(self.args, self.model_path)  # STANDALONE: a bad draft model fails here
         self.tokenizer_path = self.args.tokenizer_path or self.model_path
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         self._send_lock = threading.Lock()
         self._process, self._conn = start_scheduler_process()
         self._send((self.args, self.model_path, self.tokenizer_path))
-        self.info = self._wait_ready()
+        try:  # the tokenizer loads here while the scheduler process imports torch
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            self.info = self._wait_ready()
+        except BaseException:
+            self._process.kill()
+            self._process.wait()
+            raise
         self.builder = RequestBuilder(self.tokenizer, self.info, image_prompts(self.model_path, self.args,
                                                                                self.info.vocab_size))
         self._states: dict[str, RequestState] = {}

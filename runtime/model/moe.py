@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from ..distributed.parallel_state import SINGLE, TensorParallel
+from .layers import activation
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class SparseMoE(nn.Module):
         hidden, num_experts = config.hidden_size, getattr(config, style.experts_field)
         self.top_k, self.tp_size = getattr(config, style.top_k_field), tp.size
         self.renormalize, self.weights_in_input_dtype = style.renormalizes(config), style.weights_in_input_dtype
-        self.act, self.has_shared_expert = ACT2FN[config.hidden_act], style.shared_expert
+        self.act, self.has_shared_expert = activation(config.hidden_act), style.shared_expert
         inner = _shard(getattr(config, style.intermediate_field), style.intermediate_field, tp)
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))

@@ -27,7 +27,7 @@ class GrammarQueue(SchedulerPlugin):
         self.timeout_s = timeout_s
         # Under grammar_backend="auto" a grammar that only approximates its spec serves only requests that allow it;
         # a backend named explicitly serves its approximations, as the user chose it.
-        self.exact_only = cache is not None and cache.backend.name == "auto"
+        self.exact_only = scheduler.args.grammar_backend == "auto"
         self.waiting: list[tuple[Req, Future]] = []
         self.fill_seconds: deque[float] = deque(maxlen=50_000)  # per request-token mask fill times
 

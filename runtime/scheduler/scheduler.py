@@ -53,11 +53,9 @@ class Scheduler:
         cache_type = ChunkCache if args.disable_radix_cache else RadixCache
         self.cache = cache_type(self.runner.req_pool, self.runner.kv_pool)
         self.memory = MemoryManager(args, self.cache, self.runner.req_pool, self.runner.kv_pool)
-        backend = make_backend(args.grammar_backend, self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids),
-                               args.grammar_compile_timeout)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.grammars = GrammarQueue(self, GrammarCache(backend) if backend else None, args.grammar_compile_timeout)
+        self.grammars = GrammarQueue(self, self._grammar_cache(tokenizer_path), args.grammar_compile_timeout)
         # A disaggregation side first: a prefill server cuts every request to its first token before it queues.
         self.speculator = Speculator(args, self.runner) if args.speculative_algorithm else None
         self.control = GenerationControl(self)
@@ -76,6 +74,15 @@ class Scheduler:
         self.cached_tokens_total = 0
         self.jumped_tokens = 0
         self.prompt_tokens_total = 0
+
+    def _grammar_cache(self, tokenizer_path: str) -> GrammarCache | None:
+        """The grammar backend builds on the cache's pool while the engine already serves, from a tokenizer of its
+        own: a fast tokenizer may refuse a call from a second thread while the loop is encoding with it."""
+        args, vocab_size, stop_ids = self.args, self.runner.vocab_size, sorted(self.eos_ids)
+        if args.grammar_backend == "none":
+            return None
+        return GrammarCache.building(lambda: make_backend(args.grammar_backend, AutoTokenizer.from_pretrained(
+            tokenizer_path), vocab_size, stop_ids, args.grammar_compile_timeout))
 
     def ready_message(self) -> SchedulerReady:
         return SchedulerReady(

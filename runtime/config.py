@@ -36,6 +36,16 @@ registry.register("disaggregation_transfer_backend", "mooncake",
 registry.register("disaggregation_transfer_backend", "nixl", "furcate.runtime.disaggregation.nixl_agent:NixlAgent")
 ENGINE_CHOICE_FIELDS = ("dtype", "quantization", "schedule_policy", "grammar_backend", "disaggregation_mode",
                         "disaggregation_transfer_backend")
+PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path")
+
+
+def path_text(name: str, value: object) -> str | None:
+    """A path field as text: str or os.PathLike taken, anything else refused by name."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fsdecode(value)
+    raise ValueError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
 
 
 @dataclass
@@ -161,6 +171,8 @@ class EngineArgs:
     allow_remote_images: bool = False
 
     def __post_init__(self) -> None:
+        for name in PATH_FIELDS:  # a pathlib.Path works here as in from_pretrained
+            setattr(self, name, path_text(name, getattr(self, name)))
         self.validate()
 
     def validate(self) -> None:

@@ -93,7 +93,7 @@ class Engine(EngineRl):
 
     def __init__(self, model_path: str = "default", **kwargs: Any) -> None:
         self.args = EngineArgs(model_path=model_path, **kwargs)
-        self.model_path = resolve_model_path(model_path)
+        self.model_path = resolve_model_path(self.args.model_path)
         if self.args.tp_size > 1:  # a model that cannot be split fails here, before any process starts
             check_tp_size(load_config(self.model_path), self.args.tp_size)
         self.args = prepare_draft_model(self.args, self.model_path)  # STANDALONE: a bad draft model fails here

@@ -84,7 +84,8 @@ def default_engine():
 
 @pytest.fixture(scope="session")
 def shared_llama_engine(tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), **EXACT, max_total_tokens=TINY_POOL_TOKENS,
+    # A pathlib.Path, as from_pretrained takes one (the other engines get str).
+    with Engine(tiny_model_dirs["llama"], **EXACT, max_total_tokens=TINY_POOL_TOKENS,
                 torch_num_threads=2) as engine:
         yield engine
 

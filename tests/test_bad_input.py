@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -123,6 +124,10 @@ def test_bad_engine_arguments_name_the_field():
         EngineArgs(max_total_tokens=1)
     with pytest.raises(TypeError):
         EngineArgs(not_an_argument=1)
+    for field in ("model_path", "tokenizer_path", "speculative_draft_model_path"):
+        with pytest.raises(ValueError, match=f"{field} must be a path .* got list"):
+            EngineArgs(**{field: ["/tmp"]})
+    assert EngineArgs(model_path=Path("/tmp"), tokenizer_path=Path("/tmp")).model_path == "/tmp"
 
 
 def test_numpy_integer_ids_are_token_ids(engine):

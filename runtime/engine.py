@@ -9,16 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import queue
-import secrets
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
-from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -33,7 +29,7 @@ from .multimodal.images import ImageLimits
 from .multimodal.prompt import ImagePrompts
 from .request_builder import RequestBuilder
 from .request_state import RequestState
-from .scheduler.process import AUTHKEY_ENV
+from .scheduler.start import start_scheduler_process, started_one
 from .schema_check import SchemaChecker
 from .speculative.draft_check import prepare_draft_model
 
@@ -69,24 +65,6 @@ def image_prompts(model_path: str, args: EngineArgs, vocab_size: int) -> ImagePr
     return ImagePrompts(model_path, spec, vocab_size, limits)
 
 
-def start_scheduler_process() -> tuple[subprocess.Popen, Connection]:
-    """Start the scheduler in a fresh interpreter and accept its authenticated connection."""
-    authkey = secrets.token_bytes(32)
-    with Listener(family="AF_UNIX", authkey=authkey) as listener:
-        env = dict(os.environ, **{AUTHKEY_ENV: authkey.hex()})
-        process = subprocess.Popen([sys.executable, "-m", "furcate.runtime.scheduler.process", listener.address],
-                                   env=env)
-        accepted: list[Connection] = []
-        acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
-        acceptor.start()
-        while acceptor.is_alive() and process.poll() is None:
-            acceptor.join(timeout=0.2)
-        if not accepted:
-            process.kill()
-            raise RuntimeError(f"scheduler process exited with code {process.wait()} before connecting")
-        return process, accepted[0]
-
-
 class Engine(EngineRl):
     """`Engine(model_path="default", **engine_args)`; see EngineArgs for the arguments. The RL calls (weight
     updates, memory release, pause) are in engine_rl.py."""
@@ -108,6 +86,7 @@ class Engine(EngineRl):
             self._process.kill()
             self._process.wait()
             raise
+        started_one()
         self.builder = RequestBuilder(self.tokenizer, self.info, image_prompts(self.model_path, self.args,
                                                                                self.info.vocab_size))
         self._states: dict[str, RequestState] = {}

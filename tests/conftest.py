@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from furcate import Engine
 from furcate.runtime.model.default_model import prepare_default_model
+from furcate.runtime.scheduler.start import keep_a_spare_scheduler
 from furcate.runtime.server.server_process import ServerProcess
 from tiny_models import CONFIGS, build_tiny_model
 
@@ -40,6 +41,8 @@ class CheckoutRootIsNoTestPackage:
 def pytest_configure(config: pytest.Config) -> None:
     # A plugin, not a hook of this conftest: a conftest's hooks only see the folders below its own.
     config.pluginmanager.register(CheckoutRootIsNoTestPackage(), "furcate-checkout-root")
+    # The suite starts engine after engine: each takes a scheduler process that imported while the last test ran.
+    keep_a_spare_scheduler()
 
 
 # For engines and servers of tests that send no grammar request: building grammar_backend="auto"'s backends costs

@@ -1,4 +1,4 @@
-"""The scheduler's own process, started with `python -m furcate.runtime.scheduler.process ADDRESS`.
+"""The scheduler's own process, started with `python -m furcate.runtime.scheduler.process ADDRESS` (start.py).
 
 A fresh interpreter (not multiprocessing's spawn) means user scripts need no `if __name__ == "__main__"` guard:
 nothing of the caller's main module is re-imported here. The engine's listener hands over the arguments through
@@ -15,6 +15,9 @@ import traceback
 from multiprocessing.connection import Client, Connection
 
 AUTHKEY_ENV = "FURCATE_SCHEDULER_AUTHKEY"
+# A spare process (start.py) imports what a scheduler needs before its arguments come; a process started for an
+# engine imports after, so that tensor-parallel followers start importing at the same time.
+PREIMPORT_FLAG = "--import-first"
 
 
 def serve(conn: Connection) -> None:
@@ -49,6 +52,8 @@ def serve(conn: Connection) -> None:
 def main() -> None:
     address = sys.argv[1]
     conn = Client(address, authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    if PREIMPORT_FLAG in sys.argv[2:]:
+        from . import scheduler  # noqa: F401  (torch, transformers and the model code, ahead of the arguments)
     try:
         serve(conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):

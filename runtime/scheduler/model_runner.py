@@ -27,6 +27,7 @@ from ..distributed.parallel_state import TensorParallel
 from ..distributed.spawn import Spawned, spawn_followers
 from ..model.layers import attention_shape
 from ..model.loader import load_config, load_model, resolve_dtype
+from ..model.packed_linear import pack_linears, packs
 from ..model.quantized import QuantizedModel
 from ..model.vision import checkpoint_vision_spec, load_vision_encoder
 from ..multimodal.embedder import ImageEmbedder
@@ -94,6 +95,8 @@ class ModelRunner:
 
     def _load(self, args: EngineArgs, model_path: str) -> None:
         self.model = load_model(model_path, self.dtype, args.device, self.tp)
+        if packs(self.dtype, args.device):  # before quantization=auto times the dense layers against int4
+            pack_linears(self.model)
         self.quantized = QuantizedModel()
         # The GGUF kernels hold whole tensors, so a split model runs dense (config refuses an explicit "gguf"); they
         # are CPU kernels, so a GPU runs dense weights too.

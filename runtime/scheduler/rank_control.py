@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from ..distributed.followers import FollowerCall, FollowerReply
 from ..distributed.weight_group import destroy_weight_group, init_weight_group, receive_broadcast
+from ..model.packed_linear import repack_linears, unpack_linears
 from ..model.weight_update import (
     Placement,
     TensorSpec,
@@ -116,6 +117,7 @@ class RankControl:
         if staged is None:
             raise RuntimeError("no update is staged")
         self.writer.write(staged.placements, staged.tensors)
+        repack_linears(self.runner.model)
         return len(staged.tensors)
 
     def discard(self) -> None:
@@ -158,6 +160,7 @@ class RankControl:
         save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, path)
         for tensor in tensors.values():
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        unpack_linears(self.runner.model)
         trim_heap()
         return path
 
@@ -166,6 +169,7 @@ class RankControl:
         saved = load_file(path)
         for name, tensor in model_tensors(self.runner.model).items():
             tensor.data = saved[name].to(tensor.device)
+        repack_linears(self.runner.model)
         shutil.rmtree(self.spill_dir, ignore_errors=True)
         self.spill_dir = None
         return path

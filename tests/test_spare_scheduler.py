@@ -60,6 +60,8 @@ def test_a_spare_from_other_surroundings_is_not_taken(model, change, monkeypatch
 def test_turning_spares_off_stops_the_spare(model):
     with Engine(model, **ARGS):
         spare = spare_pid()
+    with pytest.raises(TypeError, match="keep must be True or False"):
+        start.keep_a_spare_scheduler("no")
     try:
         start.keep_a_spare_scheduler(False)
         assert start._spare is None and exited(spare)

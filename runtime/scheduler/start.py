@@ -54,6 +54,8 @@ _keep_spare = False
 def keep_a_spare_scheduler(keep: bool = True) -> None:
     """After each engine start, launch the next engine's scheduler process ahead of time (see the module doc)."""
     global _keep_spare
+    if not isinstance(keep, bool):
+        raise TypeError(f"keep must be True or False, got {keep!r}")
     _keep_spare = keep
     if not keep:
         _drop_spare()

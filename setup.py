@@ -26,4 +26,8 @@ class BuildPyWithoutSetupScript(build_py):
         return [module for module in modules if module[:2] != ("furcate", "setup")]
 
 
-setup(package_dir={"furcate": "."}, packages=furcate_packages(), cmdclass={"build_py": BuildPyWithoutSetupScript})
+# Non-Python files a package reads at run time: the block GEMV kernel's C source, built on the user's machine.
+PACKAGE_DATA = {"furcate.runtime.model": ["block_gemv.c"]}
+
+setup(package_dir={"furcate": "."}, packages=furcate_packages(), package_data=PACKAGE_DATA,
+      cmdclass={"build_py": BuildPyWithoutSetupScript})

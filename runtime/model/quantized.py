@@ -21,6 +21,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 from torch import nn
 
+from . import block_gemv
+
 GROUP = 32
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_TYPES = ("Q8_0",)
@@ -146,7 +148,41 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class BlockGemvLinear(nn.Module):
+    """y = x W^T (+ b) on block_gemv.c: the GGUF's own groups (Q8_0's too, unlike Int8Linear), activations
+    quantized to int8 per group of 32 for an integer dot product, as llama.cpp runs these files."""
+
+    def __init__(self, weights: BlockWeights, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if not block_gemv.available():
+            raise RuntimeError(f"the block GEMV kernel is unavailable: {block_gemv.isa()}")
+        self.out_features, self.in_features = weights.q.shape
+        self.bits = 4 if weights.kind in INT4_TYPES else 8
+        # Q8_0's signed q as unsigned bytes: w = (q + 128) * scale - 128 * scale.
+        unsigned, offset = ((weights.q, weights.offset) if self.bits == 4 else
+                            (weights.q + 128, weights.offset - 128 * weights.scale))
+        self.register_buffer("packed", block_gemv.pack(unsigned, weights.scale, offset, self.bits))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype not in (torch.float32, torch.bfloat16):
+            flat = flat.float()
+        if torch.compiler.is_compiling():
+            out = block_gemv.gemv_op(flat, self.packed, self.out_features, self.bits)
+        else:
+            out = block_gemv.gemv(flat.contiguous(), self.packed, self.out_features, self.bits)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
 def quantized_linear(weights: BlockWeights, bias: torch.Tensor | None) -> nn.Module:
+    """The block GEMV kernel where it is built and the rows are whole pairs of groups; torch's kernels else."""
+    if (block_gemv.available() and weights.q.shape[1] % block_gemv.PAIR == 0
+            and block_gemv.fits(weights.scale, 128 * weights.scale + np.abs(weights.offset))):
+        return BlockGemvLinear(weights, bias)
     return Int4Linear(weights, bias) if weights.kind in INT4_TYPES else Int8Linear(weights, bias)
 
 

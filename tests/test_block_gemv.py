@@ -1,0 +1,133 @@
+"""block_gemv.c on every vector path this CPU can run (AVX512-VNNI, AVX2, plain C): GGUF blocks times activations
+coded as two int8 digits equal a float64 matmul of the dequantized weights to float32 noise, for 4- and 8-bit
+blocks, float32 and bfloat16 activations, any row count and rows that do not fill a block; files whose factors
+are no float16 numbers and machines without a compiler keep torch's kernels."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from furcate.runtime.model import block_gemv
+from furcate.runtime.model.quantized import (
+    BlockGemvLinear,
+    BlockWeights,
+    Int4Linear,
+    Int8Linear,
+    SmallBatchQuantized,
+    quantized_linear,
+)
+
+pytestmark = pytest.mark.skipif(not block_gemv.available(), reason=f"no block GEMV kernel: {block_gemv.isa()}")
+
+CPU_FLAGS = set(block_gemv.cpu_signature().split())
+# extra compiler flags -> the path that build takes on this CPU (-march=native picks the widest it has)
+BUILDS = {(): None, ("-mno-avx512f",): "AVX2", ("-mno-avx", "-mno-avx2"): "plain C"}
+
+
+def builds() -> list[tuple[str, ...]]:
+    usable = [()]
+    if "avx512_vnni" in CPU_FLAGS and {"avx2", "fma", "f16c"} <= CPU_FLAGS:
+        usable.append(("-mno-avx512f",))
+    return [*usable, ("-mno-avx", "-mno-avx2")]
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> BlockWeights:
+    rng = np.random.default_rng(seed)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    if kind == "Q8_0":
+        return BlockWeights(kind, rng.integers(-127, 128, (n, k)).astype(np.int32), scale, np.zeros_like(scale))
+    offset = (rng.normal(size=scale.shape) * 0.02).astype(np.float16).astype(np.float32)
+    return BlockWeights(kind, rng.integers(0, 16, (n, k)).astype(np.int32), scale, offset)
+
+
+@pytest.fixture(scope="module", params=builds(), ids=lambda flags: " ".join(flags) or "native")
+def kernel(request, tmp_path_factory):
+    os.environ["FURCATE_CACHE"] = str(tmp_path_factory.mktemp("kernels"))
+    try:
+        lib = block_gemv.load(request.param)
+    finally:
+        del os.environ["FURCATE_CACHE"]
+    expected = BUILDS[request.param]
+    if expected is not None:
+        assert block_gemv.ISA_NAMES[lib.block_gemv_isa()] == expected
+    return lib.block_gemv
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+@pytest.mark.parametrize("n, k", [(13, 64), (96, 576), (35, 1536)])
+def test_the_kernel_equals_a_matmul_of_the_dequantized_weights(kernel, kind, rows, n, k):
+    blocks = random_blocks(kind, n, k, seed=rows + n)
+    layer = BlockGemvLinear(blocks, None)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+    x[0, 3] = 40.0  # an outlier in one group: the other 31 keep their precision through the second digit
+    reference = x.double() @ blocks.dequantize().double().T
+    got = block_gemv.gemv(x, layer.packed, n, layer.bits, kernel)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # The second digit's step is 1/16256 of a group's largest activation: float32-level error, not int8's.
+    assert (got.double() - reference).abs().max() <= 1e-3 * reference.abs().max()
+    rounded = block_gemv.gemv(x.bfloat16(), layer.packed, n, layer.bits, kernel)
+    expected = x.bfloat16().double() @ blocks.dequantize().double().T
+    assert rounded.dtype == torch.bfloat16
+    assert (rounded.double() - expected).abs().max() <= 8e-3 * expected.abs().max()  # the bfloat16 result
+
+
+def test_the_module_keeps_shape_dtype_and_bias():
+    blocks = random_blocks("Q4_1", 64, 128, seed=0)
+    bias = torch.randn(64)
+    layer = BlockGemvLinear(blocks, bias)
+    x = torch.randn(2, 3, 128)
+    got = layer(x)
+    assert got.shape == (2, 3, 64) and got.dtype == torch.float32
+    expected = x.double() @ blocks.dequantize().double().T + bias.double()
+    assert (got.double() - expected).abs().max() <= 2e-4 * expected.abs().max()
+    half = BlockGemvLinear(blocks, None)(x.to(torch.float16))  # other dtypes run in float32 and come back
+    assert half.dtype == torch.float16 and torch.isfinite(half).all()
+
+
+def test_quantized_layers_take_the_kernel_where_it_fits():
+    assert isinstance(quantized_linear(random_blocks("Q4_1", 16, 128, 0), None), BlockGemvLinear)
+    assert isinstance(quantized_linear(random_blocks("Q8_0", 16, 128, 0), None), BlockGemvLinear)
+    odd_groups = random_blocks("Q4_1", 16, 96, 0)  # three groups: not whole pairs
+    assert isinstance(quantized_linear(odd_groups, None), Int4Linear)
+
+
+def test_factors_beyond_float16_keep_torch_kernels():
+    """A Q8_0 scale over 511 puts its offset (-128 scales) past float16's range: the layer stays exact on
+    torch's int8 kernel rather than computing with an infinity."""
+    blocks = random_blocks("Q8_0", 16, 128, 0)
+    blocks.scale[3, 1] = 600.0
+    layer = quantized_linear(blocks, None)
+    assert isinstance(layer, Int8Linear)
+    assert torch.isfinite(layer(torch.randn(1, 128))).all()
+
+
+def test_torch_compile_traces_the_registered_op():
+    layer = SmallBatchQuantized(BlockGemvLinear(random_blocks("Q4_0", 32, 256, 1), None),
+                                torch.nn.Linear(256, 32), 4)
+    x = torch.randn(1, 256)
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.inference_mode():
+        assert torch.equal(compiled(x), layer(x))
+
+
+def test_without_a_compiler_the_engine_keeps_torch_kernels(tmp_path):
+    script = ("from furcate.runtime.model import block_gemv, quantized\n"
+              "import numpy as np\n"
+              "print(block_gemv.available(), block_gemv.isa()[:26])\n"
+              "w = quantized.BlockWeights('Q4_1', np.zeros((16, 64), np.int32), np.ones((16, 2), np.float32),"
+              " np.zeros((16, 2), np.float32))\n"
+              "print(type(quantized.quantized_linear(w, None)).__name__)\n")
+    env = {**os.environ, "CC": str(tmp_path / "no-such-compiler"), "FURCATE_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=pathlib.Path(__file__).parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["False could not build or load it", "Int4Linear"]
+    assert "block GEMV kernel unavailable" in done.stderr

@@ -131,3 +131,15 @@ def test_without_a_compiler_the_engine_keeps_torch_kernels(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["False could not build or load it", "Int4Linear"]
     assert "block GEMV kernel unavailable" in done.stderr
+
+
+def test_weights_of_the_wrong_size_are_refused_before_the_kernel_reads_them():
+    layer = BlockGemvLinear(random_blocks("Q4_1", 16, 128, 0), None)
+    layer.packed = layer.packed.new_empty(0)  # what releasing memory leaves behind
+    with pytest.raises(ValueError, match="weights released"):
+        layer(torch.randn(1, 128))
+
+
+def test_compiled_decode_keeps_torch_int4_kernel_and_the_block_kernel_for_q8():
+    assert isinstance(quantized_linear(random_blocks("Q4_1", 16, 128, 0), None, for_graphs=True), Int4Linear)
+    assert isinstance(quantized_linear(random_blocks("Q8_0", 16, 128, 0), None, for_graphs=True), BlockGemvLinear)

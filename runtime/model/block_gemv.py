@@ -135,6 +135,11 @@ def pack(u: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int) -> tor
                             .reshape(blocks, -1))
 
 
+def packed_bytes(n: int, k: int, bits: int) -> int:
+    """What pack() writes for n rows of k weights: whole blocks of ROWS rows, each pair with 8 bytes of factors."""
+    return -(-n // ROWS) * ROWS * (k // PAIR) * (8 * bits + 8)
+
+
 def fits(scale: np.ndarray, offset: np.ndarray) -> bool:
     """Whether a tensor's scales and offsets are float16 numbers (GGUF's own blocks store them so; Q8_0's offset
     is 128 of its scales, and a corrupt file may hold anything)."""
@@ -157,6 +162,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int,
     """x [M, K] (float32 or bfloat16, contiguous) times the n packed rows: [M, n] in x's dtype. kernel: another
     build's block_gemv (load(...).block_gemv) in place of the engine's."""
     m, k = x.shape
+    if weight.numel() != packed_bytes(n, k, bits):  # released weights (RL) or a foreign tensor: no C read past it
+        raise ValueError(f"block GEMV weights hold {weight.numel()} bytes, not the {packed_bytes(n, k, bits)} of "
+                         f"{n} rows of {k} {bits}-bit weights (weights released?)")
     out = torch.empty(m, n, dtype=x.dtype)
     activations = scratch(2 * m * k + 8 * m * (k // PAIR) * LANE_FLOATS)
     bf16 = x.dtype == torch.bfloat16
@@ -166,12 +174,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int,
     return out
 
 
-@torch.library.custom_op("furcate::block_gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """gemv as an op a compiled graph can hold."""
+def _op_kernel(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return gemv(x.contiguous(), weight, n, bits)
 
 
-@gemv_op.register_fake
+# gemv as an op a compiled graph can hold: furcate::block_gemv. Defined with the low-level registration, a CPU
+# kernel and nothing else, because torch.library.custom_op's wrappers cost ~7 us more a call (one in six
+# milliseconds of the default model's compiled step).
+_LIBRARY = torch.library.Library("furcate", "FRAGMENT")
+_LIBRARY.define("block_gemv(Tensor x, Tensor weight, int n, int bits) -> Tensor")
+_LIBRARY.impl("block_gemv", _op_kernel, "CPU")
+
+
+@torch.library.register_fake("furcate::block_gemv")
 def _(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
+
+
+gemv_op = torch.ops.furcate.block_gemv.default

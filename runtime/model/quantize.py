@@ -61,13 +61,16 @@ def source_tensors(model: DecoderForCausalLM, module_name: str, blocks: dict[str
     return [f"{module_name}.weight"]
 
 
-def quantize_model(model: DecoderForCausalLM, blocks: dict[str, BlockWeights], dense_above: int | None) -> list[str]:
+def quantize_model(model: DecoderForCausalLM, blocks: dict[str, BlockWeights], dense_above: int | None,
+                   for_graphs: bool = False) -> list[str]:
     """Swap in quantized layers where every source tensor is quantized; the names of the layers swapped.
     A tied LM head gets its own quantized copy; the embedding lookup keeps the float table. dense_above: the
-    float layer stays beside the quantized one and serves batches of more rows than this; None: quantized alone."""
+    float layer stays beside the quantized one and serves batches of more rows than this; None: quantized alone.
+    for_graphs: the kernels a compiled decode step calls best (quantized.quantized_linear)."""
     swapped = []
     for name, module in quantizable_layers(model, blocks):
-        quantized = quantized_linear(stack_rows([blocks[s] for s in source_tensors(model, name, blocks)]), module.bias)
+        weights = stack_rows([blocks[s] for s in source_tensors(model, name, blocks)])
+        quantized = quantized_linear(weights, module.bias, for_graphs)
         if dense_above is not None:
             quantized = SmallBatchQuantized(quantized, module, dense_above)
         model.set_submodule(name, quantized)
@@ -94,10 +97,11 @@ def measured_rows(layers: list[SmallBatchQuantized]) -> int:
     return small_batch_rows([m.quantized for m in timed], [m.dense for m in timed])
 
 
-def measured_quantization(model: DecoderForCausalLM, blocks: dict[str, BlockWeights]) -> QuantizedModel:
+def measured_quantization(model: DecoderForCausalLM, blocks: dict[str, BlockWeights],
+                          for_graphs: bool = False) -> QuantizedModel:
     """auto: quantized layers beside the dense ones, serving the batch sizes where they measured faster; the
     dense layers alone again where they never were."""
-    names = quantize_model(model, blocks, dense_above=ROW_LADDER[-1])
+    names = quantize_model(model, blocks, dense_above=ROW_LADDER[-1], for_graphs=for_graphs)
     layers = [model.get_submodule(name) for name in names]
     below_head = [layer for name, layer in zip(names, layers) if name != "lm_head"]
     rows = measured_rows(below_head) if below_head else 0
@@ -108,7 +112,8 @@ def measured_quantization(model: DecoderForCausalLM, blocks: dict[str, BlockWeig
     return QuantizedModel(names, rows) if rows else QuantizedModel()
 
 
-def apply_quantization(model: DecoderForCausalLM, quantization: str, model_dir: str) -> QuantizedModel:
+def apply_quantization(model: DecoderForCausalLM, quantization: str, model_dir: str,
+                       for_graphs: bool = False) -> QuantizedModel:
     """gguf: a model converted from a GGUF runs its quantized tensors on the quantized kernels alone (the least
     memory); auto: the quantized kernels serve the batch sizes where they measured faster than the dense layers
     on this CPU (kernel_choice.py), the dense layers the rest (at 1.25x the dense weights' memory; a tied LM head
@@ -124,5 +129,5 @@ def apply_quantization(model: DecoderForCausalLM, quantization: str, model_dir: 
         return QuantizedModel()
     blocks = gguf_block_weights(gguf)
     if quantization == "gguf":
-        return QuantizedModel(quantize_model(model, blocks, dense_above=None), -1)
-    return measured_quantization(model, blocks)
+        return QuantizedModel(quantize_model(model, blocks, dense_above=None, for_graphs=for_graphs), -1)
+    return measured_quantization(model, blocks, for_graphs)

@@ -106,7 +106,8 @@ class ModelRunner:
         if args.quantization != "none" and self.tp.size == 1 and args.device == "cpu":
             from ..model.quantize import apply_quantization  # gguf and its readers: not worth importing otherwise
 
-            self.quantized = apply_quantization(self.model, args.quantization, model_path)
+            self.quantized = apply_quantization(self.model, args.quantization, model_path,
+                                                for_graphs=args.enable_torch_compile)
         attn = self.model.model.layers[0].self_attn  # this rank's KV heads
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length + 1)
         self.kv_pool = TokenToKVPool(

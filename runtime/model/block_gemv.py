@@ -143,7 +143,8 @@ def packed_bytes(n: int, k: int, bits: int) -> int:
 def fits(scale: np.ndarray, offset: np.ndarray) -> bool:
     """Whether a tensor's scales and offsets are float16 numbers (GGUF's own blocks store them so; Q8_0's offset
     is 128 of its scales, and a corrupt file may hold anything)."""
-    return all(np.isfinite(a.astype(np.float16)).all() for a in (scale, offset))
+    largest = float(np.finfo(np.float16).max)
+    return all(bool((np.abs(a) <= largest).all()) for a in (scale, offset))  # NaN compares False
 
 
 _scratch = threading.local()  # per thread: an engine's forward and a start-up timing never share one

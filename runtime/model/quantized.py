@@ -149,8 +149,8 @@ class Int8Linear(nn.Module):
 
 
 class BlockGemvLinear(nn.Module):
-    """y = x W^T (+ b) on block_gemv.c: the GGUF's own groups (Q8_0's too, unlike Int8Linear), activations
-    quantized to int8 per group of 32 for an integer dot product, as llama.cpp runs these files."""
+    """y = x W^T (+ b) on block_gemv.c: the GGUF's own groups (Q8_0's too, unlike Int8Linear), activations coded
+    as two int8 digits per group of 32 for integer dot products (llama.cpp codes them with one)."""
 
     def __init__(self, weights: BlockWeights, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -158,11 +158,16 @@ class BlockGemvLinear(nn.Module):
             raise RuntimeError(f"the block GEMV kernel is unavailable: {block_gemv.isa()}")
         self.out_features, self.in_features = weights.q.shape
         self.bits = 4 if weights.kind in INT4_TYPES else 8
-        # Q8_0's signed q as unsigned bytes: w = (q + 128) * scale - 128 * scale.
-        unsigned, offset = ((weights.q, weights.offset) if self.bits == 4 else
-                            (weights.q + 128, weights.offset - 128 * weights.scale))
+        unsigned, offset = self.unsigned(weights)
         self.register_buffer("packed", block_gemv.pack(unsigned, weights.scale, offset, self.bits))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @staticmethod
+    def unsigned(weights: BlockWeights) -> tuple[np.ndarray, np.ndarray]:
+        """The kernel's unsigned weights and offsets: Q8_0's signed q as q + 128, its offset -128 scales."""
+        if weights.kind in INT4_TYPES:
+            return weights.q, weights.offset
+        return weights.q + 128, weights.offset - 128 * weights.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -187,7 +192,7 @@ def quantized_linear(weights: BlockWeights, bias: torch.Tensor | None, for_graph
     if for_graphs and weights.kind in INT4_TYPES:
         return Int4Linear(weights, bias)
     if (block_gemv.available() and weights.q.shape[1] % block_gemv.PAIR == 0
-            and block_gemv.fits(weights.scale, 128 * weights.scale + np.abs(weights.offset))):
+            and block_gemv.fits(weights.scale, BlockGemvLinear.unsigned(weights)[1])):
         return BlockGemvLinear(weights, bias)
     return Int4Linear(weights, bias) if weights.kind in INT4_TYPES else Int8Linear(weights, bias)
 

@@ -1,12 +1,14 @@
 """quantization=auto's choice, by measurement on this CPU: up to how many rows the quantized kernel beats the
 dense layer.
 
-torch's int4/int8 CPU kernels run bfloat16 activations. Where the CPU has native bfloat16 (avx512_bf16) they
-read 4-bit weights several times faster than a dense matmul at one row; elsewhere they convert every product
-and may lose to float32. One flag cannot say which, so the engine times both kernels on the model's own layers
-at start-up (well under a second) and serves with the quantized kernel only the batch sizes where it won. It
-times a run through many layers, not one: a step streams every layer's weights from memory, while one layer's
-dense weights alone would sit in the cache and flatter the dense kernel.
+The quantized kernels (block_gemv.c's integer dot products, or torch's int4/int8 kernels on bfloat16
+activations) read 4-bit weights several times faster than a dense matmul at one row, but how far up the rows
+they keep winning depends on the CPU: with native bfloat16 (avx512_bf16) the dense layers catch up sooner,
+without it torch's kernels convert every product and may lose to float32. One flag cannot say which, so the
+engine times both kernels on the model's own layers at start-up (well under a second) and serves with the
+quantized kernel only the batch sizes where it won. It times a run through many layers, not one: a step streams
+every layer's weights from memory, while one layer's dense weights alone would sit in the cache and flatter the
+dense kernel.
 """
 
 from __future__ import annotations

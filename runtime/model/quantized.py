@@ -1,4 +1,6 @@
-"""Weight-only quantized linear layers on torch's CPU kernels, built from a GGUF's blocks without a float detour.
+"""Weight-only quantized linear layers, built from a GGUF's blocks without a float detour: on block_gemv.c where
+it builds (BlockGemvLinear: the GGUF's own groups and float16 factors, Q8_0's included), else on torch's CPU
+kernels (Int4Linear, Int8Linear), which the rest of this docstring describes.
 
 GGUF stores a row in blocks of 32 weights sharing a scale (and, for Q4_1, a minimum): w = q * scale + offset.
 Q4_K's 256-weight super-blocks are eight such groups whose scale and offset are 6-bit multiples of two float16

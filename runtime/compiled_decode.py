@@ -32,15 +32,8 @@ from .cuda_graph_runner import MOE_REASON, one_token_each
 
 logger = logging.getLogger("furcate.compiled_decode")
 
-def call_guards(entries) -> list[bool]:
-    """Which of dynamo's guards a compiled step keeps: those on the step's own inputs (the batch's shape picks the
-    graph). Guards on the model's modules and the KV buffers go: over 7,000 of them, ~1 ms of checks a step at
-    batch 1, on things that stay put while the engine lives (modules, dtypes, the pool's layout). Weight updates
-    and memory release swap tensors' data, not their shapes, and a graph reads the tensors afresh on each call."""
-    return [not (entry.name.startswith("self.") or "_buffers[" in entry.name) for entry in entries]
-
-
-COMPILE_OPTIONS = {"emulate_precision_casts": True, "guard_filter_fn": call_guards}
+# Lower-precision intermediates rounded where eager rounds them (see the module's docstring).
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
 @dataclass
@@ -101,14 +94,63 @@ def compilable(model) -> str | None:
     return None
 
 
-class CompiledDecode:
-    """Runs decode batches of up to max_bs requests through the compiled step; others stay on the eager path."""
+def decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                kv_index: torch.Tensor, key_valid: torch.Tensor | None, k_buffers: list[torch.Tensor],
+                v_buffers: list[torch.Tensor]) -> torch.Tensor:
+    """The traced step: logits [B, vocab] of one token per request. The model is an argument, so a saved graph
+    holds no weights: it reads them from the model it is called with, also after weight updates."""
+    attn = PoolDecodeAttention(k_buffers, v_buffers, out_cache_loc, DecodePlan(kv_index, key_valid))
+    return model.logits(model.hidden(model.embed_ids(input_ids), positions, attn))
 
-    def __init__(self, model, kv_pool: TokenToKVPool, max_bs: int, quantized_max_rows: int) -> None:
-        self.model, self.kv_pool, self.max_bs = model, kv_pool, max_bs
-        self.step = torch.compile(self._step, dynamic=None, options=COMPILE_OPTIONS)
+
+def size_classes(max_bs: int, quantized_max_rows: int) -> list[int]:
+    """The smallest batch size of each graph: batch 1 (torch specialises size 1), batches of 2 up to the
+    quantized kernels' row limit, and bigger ones (the model picks dense or quantized matmuls by row count,
+    which a graph fixes)."""
+    return sorted({bs for bs in (1, 2, quantized_max_rows + 1) if 1 <= bs <= max_bs})
+
+
+def example_inputs(bs: int, kv_pool: TokenToKVPool) -> tuple:
+    """A decode step of bs requests over KV slot 0 (never handed out), for tracing. The context length is
+    dynamic, so the graph serves every length, and so is the pool's size, which follows free memory and so
+    differs from start to start; above batch 1 the batch size is dynamic too."""
+    kv_index = torch.zeros(bs, 2, dtype=torch.long)
+    key_valid = None if bs == 1 else torch.ones(bs, 1, 1, 2, dtype=torch.bool)
+    per_request = [torch.zeros(bs, dtype=torch.long) for _ in range(3)]  # ids, positions, KV slots
+    torch._dynamo.mark_dynamic(kv_index, 1)
+    for buffer in (*kv_pool.k_buffer, *kv_pool.v_buffer):
+        torch._dynamo.mark_dynamic(buffer, 0)
+    if bs > 1:
+        torch._dynamo.mark_dynamic(key_valid, 3)
+        for tensor in (kv_index, key_valid, *per_request):
+            torch._dynamo.mark_dynamic(tensor, 0)
+    return (*per_request, kv_index, key_valid, kv_pool.k_buffer, kv_pool.v_buffer)
+
+
+def compile_graph(model, kv_pool: TokenToKVPool, bs: int):
+    """decode_step compiled ahead of time for bs's size class: a graph that can be saved and loaded without
+    tracing again (torch's aot_compile). Its guards are off once loaded: CompiledDecode picks the graph."""
+    step = torch.compile(decode_step, fullgraph=True, options=COMPILE_OPTIONS)
+    with torch._dynamo.config.patch(enable_aot_compile=True), torch.inference_mode():
+        graph = step.aot_compile(((model, *example_inputs(bs, kv_pool)), {}))
+    graph.disable_guard_check()
+    return graph
+
+
+def compile_graphs(model, kv_pool: TokenToKVPool, sizes: list[int]) -> dict[int, object]:
+    started = time.perf_counter()
+    graphs = {bs: compile_graph(model, kv_pool, bs) for bs in sizes}
+    logger.info("compiled decode for batch sizes %s in %.1f s", sizes, time.perf_counter() - started)
+    return graphs
+
+
+class CompiledDecode:
+    """Runs decode batches of up to max_bs requests through the graph of their size class; others stay on the
+    eager path, as does a batch no graph fits: never a compile in the middle of serving."""
+
+    def __init__(self, model, kv_pool: TokenToKVPool, max_bs: int, graphs: dict[int, object]) -> None:
+        self.model, self.kv_pool, self.max_bs, self.graphs = model, kv_pool, max_bs, graphs
         self.calls = 0
-        self.warm_up(quantized_max_rows)
 
     def can_run(self, forward: ForwardBatch) -> bool:
         """A decode batch (one token per request, each after a prefix: a context of one would be a new graph)."""
@@ -118,37 +160,12 @@ class CompiledDecode:
     def run(self, forward: ForwardBatch) -> torch.Tensor:
         """Logits [batch_size, vocab] (float32) of a batch can_run accepted, planned by plan_decode."""
         self.calls += 1
-        with torch.compiler.set_stance("eager_on_recompile"), torch.inference_mode():
-            return self.step(forward.input_ids, forward.positions, forward.out_cache_loc, forward.attn_metadata,
-                             self.kv_pool.k_buffer, self.kv_pool.v_buffer)
-
-    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-              plan: DecodePlan, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> torch.Tensor:
-        attn = PoolDecodeAttention(k_buffers, v_buffers, out_cache_loc, plan)
-        return self.model.logits(self.model.hidden(self.model.embed_ids(input_ids), positions, attn))
-
-    def warm_up(self, quantized_max_rows: int) -> None:
-        """Compile every graph now: batch 1, batches up to the quantized row limit, and bigger ones."""
-        started = time.perf_counter()
-        sizes = sorted({bs for bs in (1, 2, quantized_max_rows + 1) if 1 <= bs <= self.max_bs})
-        for bs in sizes:
-            self._dummy_step(bs)
-        logger.info("compiled decode for batch sizes up to %d (%s graphs) in %.1f s", self.max_bs, len(sizes),
-                    time.perf_counter() - started)
-
-    def _dummy_step(self, bs: int) -> None:
-        """A decode step of bs requests over KV slot 0 (never handed out): its writes land where nothing lives.
-        Its context length is marked dynamic so the graph serves every length, and so is the pool's size, so the
-        graph inductor caches on disk serves the next start too (the pool's size follows free memory)."""
-        plan = DecodePlan(torch.zeros(bs, 2, dtype=torch.long),
-                          None if bs == 1 else torch.ones(bs, 1, 1, 2, dtype=torch.bool))
-        per_request = [torch.zeros(bs, dtype=torch.long) for _ in range(3)]  # ids, positions, KV slots
-        torch._dynamo.mark_dynamic(plan.kv_index, 1)
-        for buffer in (*self.kv_pool.k_buffer, *self.kv_pool.v_buffer):
-            torch._dynamo.mark_dynamic(buffer, 0)
-        if bs > 1:
-            torch._dynamo.mark_dynamic(plan.key_valid, 3)
-            for tensor in (plan.kv_index, plan.key_valid, *per_request):
-                torch._dynamo.mark_dynamic(tensor, 0)
+        plan: DecodePlan = forward.attn_metadata
         with torch.inference_mode():
-            self.step(*per_request, plan, self.kv_pool.k_buffer, self.kv_pool.v_buffer)
+            return self.step(forward.batch_size)(
+                self.model, forward.input_ids, forward.positions, forward.out_cache_loc, plan.kv_index,
+                plan.key_valid, self.kv_pool.k_buffer, self.kv_pool.v_buffer)
+
+    def step(self, bs: int):
+        """The graph of bs's size class: the one of the largest smallest size not above it."""
+        return self.graphs[max(size for size in self.graphs if size <= bs)]

@@ -120,11 +120,13 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     # Largest decode batch captured; None: 256 (never more than max_running_requests).
     cuda_graph_max_bs: int | None = None
-    # CPU: decode batches of up to torch_compile_max_bs requests run as one torch.compile'd graph
-    # (runtime/compiled_decode.py), compiled at start-up: for the default model on 2 cores ~110 s the first time,
-    # ~20 s once inductor's disk cache holds it. Off: steps run eagerly. Not under tensor parallelism nor with
-    # sliding-window layers.
-    enable_torch_compile: bool = False
+    # CPU: decode batches of up to torch_compile_max_bs requests run as one torch.compile'd graph per batch-size
+    # class (runtime/compiled_decode.py), saved on disk once compiled, so later starts load them in seconds.
+    # Unset: a start that finds no saved graphs decodes eagerly while a low-priority process builds them (for the
+    # default model on 2 cores ~2 min), then switches to them (runtime/graph_builder.py). True: compile at
+    # start-up instead (~100 s the first time). False: steps always run eagerly. Not under tensor parallelism nor
+    # with sliding-window layers.
+    enable_torch_compile: bool | None = None
     torch_compile_max_bs: int = 32
     # Seed of the scheduler's sampling generator (requests may carry their own sampling_seed).
     random_seed: int = 0
@@ -194,8 +196,9 @@ class EngineArgs:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if not isinstance(self.enable_torch_compile, bool):
-            raise ValueError(f"enable_torch_compile must be True or False, got {self.enable_torch_compile!r}")
+        if self.enable_torch_compile is not None and not isinstance(self.enable_torch_compile, bool):
+            raise ValueError(f"enable_torch_compile must be True, False or None (unset), got "
+                             f"{self.enable_torch_compile!r}")
         size = self.torch_compile_max_bs
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"torch_compile_max_bs must be an integer >= 1, got {size!r}")
@@ -340,7 +343,7 @@ def add_dataclass_args(cls: type, parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{comments.get(f.name, '')} (default: {f.default})".strip().replace("%", "%%")
-        if f.type == "bool":
+        if f.type in ("bool", "bool | None"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         kind = int if "int" in f.type else float if "float" in f.type else str

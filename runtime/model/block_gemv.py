@@ -29,6 +29,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..cache_folder import furcate_cache
+
 logger = logging.getLogger("furcate.block_gemv")
 
 SOURCE = pathlib.Path(__file__).with_name("block_gemv.c")
@@ -43,8 +45,7 @@ POSITION_K = 32 * (_LANE & 1) + 4 * (_LANE >> 1) + (np.arange(PAIR) & 3)
 
 
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("FURCATE_CACHE") or "~/.cache/furcate"
-    return pathlib.Path(root).expanduser() / "kernels"
+    return furcate_cache() / "kernels"
 
 
 def cpu_signature() -> str:

@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import os
 import pathlib
 import shutil
 import time
@@ -24,6 +23,7 @@ from tokenizers import pre_tokenizers
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from ..cache_folder import furcate_cache
 from .gguf_arch import GGUFMeta, gguf_arch, hf_config, hf_weight, open_gguf
 from .gguf_reader import GGUFFile
 
@@ -63,8 +63,8 @@ def prepare_user_gguf(gguf_path: str, progress: Callable[[str], None] | None = p
 
 def prepare_gguf_model(gguf_path: pathlib.Path, name: str, cache_dir: str | None = None,
                        progress: Callable[[str], None] | None = print) -> pathlib.Path:
-    root = pathlib.Path(cache_dir or os.environ.get("FURCATE_CACHE") or "~/.cache/furcate")
-    target = root.expanduser() / "models" / name
+    root = pathlib.Path(cache_dir).expanduser() if cache_dir else furcate_cache()
+    target = root / "models" / name
     if _is_current(target):
         return target
     if progress:

@@ -98,13 +98,14 @@ def measured_rows(layers: list[SmallBatchQuantized]) -> int:
 
 
 def measured_quantization(model: DecoderForCausalLM, blocks: dict[str, BlockWeights],
-                          for_graphs: bool = False) -> QuantizedModel:
-    """auto: quantized layers beside the dense ones, serving the batch sizes where they measured faster; the
-    dense layers alone again where they never were."""
+                          for_graphs: bool = False, rows: int | None = None) -> QuantizedModel:
+    """auto: quantized layers beside the dense ones, serving the batch sizes where they measured faster (or up to
+    `rows`, measured before); the dense layers alone again where they never were."""
     names = quantize_model(model, blocks, dense_above=ROW_LADDER[-1], for_graphs=for_graphs)
     layers = [model.get_submodule(name) for name in names]
     below_head = [layer for name, layer in zip(names, layers) if name != "lm_head"]
-    rows = measured_rows(below_head) if below_head else 0
+    if rows is None:
+        rows = measured_rows(below_head) if below_head else 0
     for name, layer in zip(names, layers):
         layer.max_rows = rows
         if not rows:
@@ -113,12 +114,12 @@ def measured_quantization(model: DecoderForCausalLM, blocks: dict[str, BlockWeig
 
 
 def apply_quantization(model: DecoderForCausalLM, quantization: str, model_dir: str,
-                       for_graphs: bool = False) -> QuantizedModel:
+                       for_graphs: bool = False, rows: int | None = None) -> QuantizedModel:
     """gguf: a model converted from a GGUF runs its quantized tensors on the quantized kernels alone (the least
     memory); auto: the quantized kernels serve the batch sizes where they measured faster than the dense layers
     on this CPU (kernel_choice.py), the dense layers the rest (at 1.25x the dense weights' memory; a tied LM head
-    shares the embedding), and nothing is quantized where they never won; none: every weight dequantized to the
-    engine's dtype."""
+    shares the embedding), and nothing is quantized where they never won (rows: auto's limit as measured before,
+    by the engine a graph builder copies); none: every weight dequantized to the engine's dtype."""
     if quantization == "none":
         return QuantizedModel()
     gguf = gguf_source(model_dir)
@@ -130,4 +131,4 @@ def apply_quantization(model: DecoderForCausalLM, quantization: str, model_dir: 
     blocks = gguf_block_weights(gguf)
     if quantization == "gguf":
         return QuantizedModel(quantize_model(model, blocks, dense_above=None, for_graphs=for_graphs), -1)
-    return measured_quantization(model, blocks, for_graphs)
+    return measured_quantization(model, blocks, for_graphs, rows)

@@ -14,17 +14,20 @@ from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from ..attention.base import ForwardBatch, ModelAttention
 from ..attention.select import make_attention_backend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from ..compiled_decode import CompiledDecode, DecodePlan, compilable, plan_decode
+from ..compiled_decode import CompiledDecode, DecodePlan, compilable, compile_graphs, plan_decode, size_classes
 from ..config import EngineArgs
 from ..cuda_graph import capture_batch_sizes
 from ..cuda_graph_runner import CudaGraphRunner, capturable, supports_cuda_graphs
 from ..distributed.followers import Followers, NoFollowers
 from ..distributed.parallel_state import TensorParallel
 from ..distributed.spawn import Spawned, spawn_followers
+from ..graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled
+from ..graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
 from ..model.layers import attention_shape
 from ..model.loader import load_config, load_model, resolve_dtype
 from ..model.packed_linear import pack_linears, packs
@@ -69,13 +72,35 @@ class StepResult:
             per_slice.pop(index, None)
 
 
+def load_serving_model(model_path: str, dtype: torch.dtype, quantization: str, graphs: bool, device: str = "cpu",
+                       tp: TensorParallel | None = None, quantized_rows: int | None = None,
+                       ) -> tuple[nn.Module, QuantizedModel]:
+    """The model as an engine runs it: loaded, its bfloat16 linears packed, its quantized layers swapped in, with
+    the kernels compiled decode calls best where graphs run it (quantized_rows: auto's limit, measured before)."""
+    tp = tp or TensorParallel(0, 1)
+    model = load_model(model_path, dtype, device, tp)
+    if packs(dtype, device):  # before quantization=auto times the dense layers against int4
+        pack_linears(model)
+    # The GGUF kernels hold whole tensors, so a split model runs dense (config refuses an explicit "gguf"); they
+    # are CPU kernels, so a GPU runs dense weights too.
+    if quantization == "gguf" and device != "cpu":
+        raise ValueError(f"quantization='gguf' runs torch's CPU kernels only; device is {device!r} "
+                         "(use quantization='auto' or 'none')")
+    if quantization == "none" or tp.size > 1 or device != "cpu":
+        return model, QuantizedModel()
+    from ..model.quantize import apply_quantization  # gguf and its readers: not worth importing otherwise
+
+    for_graphs = graphs and compilable(model) is None
+    return model, apply_quantization(model, quantization, model_path, for_graphs, quantized_rows)
+
+
 class ModelRunner:
     """rank: this process's tensor-parallel rank. Rank 0 (the scheduler's runner) drives the other ranks when
     args.tp_size > 1 (spawned: their processes, when already started) and has them run each of its forwards; a
     follower's runner only runs forwards."""
 
     def __init__(self, args: EngineArgs, model_path: str, rank: int = 0, spawned: Spawned | None = None) -> None:
-        self.args = args
+        self.args, self.model_path = args, model_path
         self.config = load_config(model_path)
         self.dtype = resolve_dtype(args.dtype, self.config, args.device)
         self.tp = TensorParallel(rank, args.tp_size)
@@ -94,20 +119,8 @@ class ModelRunner:
             raise
 
     def _load(self, args: EngineArgs, model_path: str) -> None:
-        self.model = load_model(model_path, self.dtype, args.device, self.tp)
-        if packs(self.dtype, args.device):  # before quantization=auto times the dense layers against int4
-            pack_linears(self.model)
-        self.quantized = QuantizedModel()
-        # The GGUF kernels hold whole tensors, so a split model runs dense (config refuses an explicit "gguf"); they
-        # are CPU kernels, so a GPU runs dense weights too.
-        if args.quantization == "gguf" and args.device != "cpu":
-            raise ValueError(f"quantization='gguf' runs torch's CPU kernels only; device is {args.device!r} "
-                             "(use quantization='auto' or 'none')")
-        if args.quantization != "none" and self.tp.size == 1 and args.device == "cpu":
-            from ..model.quantize import apply_quantization  # gguf and its readers: not worth importing otherwise
-
-            self.quantized = apply_quantization(self.model, args.quantization, model_path,
-                                                for_graphs=args.enable_torch_compile)
+        self.model, self.quantized = load_serving_model(model_path, self.dtype, args.quantization,
+                                                        self._wants_graphs(args), args.device, self.tp)
         attn = self.model.model.layers[0].self_attn  # this rank's KV heads
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length + 1)
         self.kv_pool = TokenToKVPool(
@@ -118,6 +131,7 @@ class ModelRunner:
                                                    model_attention(self.model, self.dtype))
         self.images = self._image_embedder(model_path, args)
         self.graphs = self._capture_graphs(args)
+        self.background: BackgroundGraphs | None = None
         self.compiled = self._compiled_decode(args)
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
@@ -146,22 +160,62 @@ class ModelRunner:
             return f"attention backend {type(self.attn_backend).__name__} cannot be captured"
         return capturable(self.model)
 
+    def _wants_graphs(self, args: EngineArgs) -> bool:
+        """Whether decode is to run compiled: asked for, or (unset) by default on a CPU (graph_builder.py)."""
+        wanted = args.enable_torch_compile
+        if wanted is None:
+            return args.device == "cpu" and self.tp.size == 1 and auto_compile_enabled()
+        return wanted
+
     def _compiled_decode(self, args: EngineArgs) -> CompiledDecode | None:
-        """The compiled CPU decode step when enable_torch_compile asks for it and the model allows it."""
-        if not args.enable_torch_compile:
+        """The compiled CPU decode step: its graphs loaded from disk, else compiled now (enable_torch_compile) or
+        built in the background (unset; adopt_background_graphs takes them once they load)."""
+        if not self._wants_graphs(args):
             return None
         why_not = ("the device is not a CPU (CUDA graphs capture decode there)" if args.device != "cpu" else
                    "tensor parallelism" if self.tp.size > 1 else compilable(self.model))
         if why_not:
-            logger.warning("enable_torch_compile: decode runs eagerly: %s", why_not)
+            if args.enable_torch_compile:
+                logger.warning("enable_torch_compile: decode runs eagerly: %s", why_not)
             return None
         max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
+        sizes = size_classes(max_bs, max(self.quantized.max_rows, 0))
+        use_furcate_inductor_cache()
+        key = graph_key(self.model, self.kv_pool, sizes)
+        graphs = load_graphs(graph_dir(key), sizes) if complete(graph_dir(key), sizes) else None
+        if graphs is None and args.enable_torch_compile:
+            graphs = self._compile_now(sizes, key)
+        elif graphs is None:
+            self.background = BackgroundGraphs(self._build_spec(args, sizes, key))
+        return CompiledDecode(self.model, self.kv_pool, max_bs, graphs) if graphs else None
+
+    def _compile_now(self, sizes: list[int], key: str) -> dict[int, object] | None:
+        """Compile at start-up and save the graphs for the next start; None (eager decode) if that fails."""
         try:
-            return CompiledDecode(self.model, self.kv_pool, max_bs, max(self.quantized.max_rows, 0))
+            graphs = compile_graphs(self.model, self.kv_pool, sizes)
         except Exception as error:  # noqa: BLE001 - e.g. no C++ compiler for inductor: serve eagerly, say why
             logger.warning("enable_torch_compile: decode runs eagerly: compiling it failed: %s: %s",
                            type(error).__name__, error)
             return None
+        try:
+            save_graphs(graph_dir(key), graphs)
+        except Exception as error:  # noqa: BLE001 - a full or read-only disk: serve compiled, compile next time
+            logger.warning("the compiled decode graphs were not saved: %s: %s", type(error).__name__, error)
+        return graphs
+
+    def _build_spec(self, args: EngineArgs, sizes: list[int], key: str) -> BuildSpec:
+        attn = self.model.model.layers[0].self_attn
+        return BuildSpec(self.model_path, str(self.dtype).removeprefix("torch."), args.quantization,
+                         self.quantized.max_rows, (len(self.model.model.layers), attn.num_kv_heads, attn.head_dim),
+                         tuple(sizes), torch.get_num_threads(), key)
+
+    def adopt_background_graphs(self) -> None:
+        """Decode through the graphs the background build delivered, from the next batch on."""
+        if self.background is not None and self.background.graphs is not None:
+            max_bs = min(self.args.torch_compile_max_bs, self.args.max_running_requests)
+            self.compiled = CompiledDecode(self.model, self.kv_pool, max_bs, self.background.graphs)
+            self.background = None
+            logger.info("decode runs through its compiled graphs from now on")
 
     def _image_embedder(self, model_path: str, args: EngineArgs) -> ImageEmbedder | None:
         """A vision-language model's image encoder, on this (the only) rank."""
@@ -192,6 +246,7 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduleBatch) -> None:
         """Everything of a forward that reads scheduler state; runs on the scheduler thread."""
+        self.adopt_background_graphs()
         if self.compiled is not None and self.compiled.can_run(batch.forward):
             batch.forward.attn_metadata = plan_decode(batch.forward)
             return

@@ -108,6 +108,7 @@ def holder_alive(lock: pathlib.Path) -> bool:
 def build_lock(folder: pathlib.Path) -> Iterator[bool]:
     """Whether this process holds the folder's build lock (False: another live builder does); a lock left by a
     builder that died is taken over."""
+    folder.mkdir(parents=True, exist_ok=True)
     lock = folder / LOCK
     for _ in range(2):
         try:

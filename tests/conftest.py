@@ -4,6 +4,7 @@ the collection rule that keeps pytest from importing the repository root a secon
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,11 @@ from furcate.runtime.model.default_model import prepare_default_model
 from furcate.runtime.scheduler.start import keep_a_spare_scheduler
 from furcate.runtime.server.server_process import ServerProcess
 from tiny_models import CONFIGS, build_tiny_model
+
+# The suite's engines decode eagerly unless a test asks for compiled graphs: by default each engine without saved
+# graphs would start a background builder (runtime/graph_builder.py), competing for CI's two cores; set before the
+# first scheduler process starts, since engines' processes inherit it. tests/test_graph_cache.py turns it on.
+os.environ.setdefault("FURCATE_AUTO_COMPILE", "0")
 
 ARCHS = sorted(CONFIGS)
 # Engine arguments of every test that compares with HF transformers in float32 (dtype auto would pick bfloat16
@@ -147,7 +153,8 @@ def engine_starting(model_path: str, **engine_args) -> Iterator[Callable[[], Eng
 
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch):
-    """Conversions of the test's GGUF go to a temporary cache, not the user's."""
+    """What the test builds once per machine (GGUF conversions, kernels, kernel choices, compiled graphs) goes to a
+    temporary cache, not the user's."""
     monkeypatch.setenv("FURCATE_CACHE", str(tmp_path))
 
 

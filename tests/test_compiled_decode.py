@@ -72,14 +72,27 @@ def test_torch_compile_max_bs_must_be_a_positive_integer(size):
         EngineArgs(torch_compile_max_bs=size)
 
 
-@pytest.mark.parametrize("flag", ["yes", 1, None])
-def test_enable_torch_compile_must_be_a_bool(flag):
-    with pytest.raises(ValueError, match="enable_torch_compile must be True or False"):
+@pytest.mark.parametrize("flag", ["yes", 1, 0.0, "none"])
+def test_enable_torch_compile_must_be_a_bool_or_unset(flag):
+    with pytest.raises(ValueError, match=r"enable_torch_compile must be True, False or None \(unset\)"):
         EngineArgs(enable_torch_compile=flag)
 
 
-def test_a_failed_compile_leaves_decode_eager(tiny_model_dirs, hf_reference, tokenizer, tmp_path, monkeypatch):
-    """No working C++ compiler for inductor (a fresh cache, so nothing compiled before is reused): the engine
+@pytest.mark.parametrize(("flags", "value"), [([], None), (["--enable-torch-compile"], True),
+                                              (["--no-enable-torch-compile"], False)])
+def test_the_torch_compile_flag_has_three_states(flags, value):
+    import argparse
+
+    from furcate.runtime.config import add_dataclass_args, from_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(EngineArgs, parser)
+    assert from_cli_args(EngineArgs, parser.parse_args(flags)).enable_torch_compile is value
+
+
+def test_a_failed_compile_leaves_decode_eager(tiny_model_dirs, hf_reference, tokenizer, tmp_path, monkeypatch,
+                                              private_cache):
+    """No working C++ compiler for inductor (fresh caches, so nothing compiled before is reused): the engine
     starts and serves, eagerly."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -92,13 +105,12 @@ def test_a_failed_compile_leaves_decode_eager(tiny_model_dirs, hf_reference, tok
 
 
 def test_the_compiled_step_serves_any_pool_size(tiny_model_dirs):
-    """The pool's size follows free memory, so it differs from start to start: a graph specialised on it would
-    miss inductor's disk cache every time (a 110 s compile instead of ~20 s for the default model). The graph
-    compiled over one pool runs over a pool of another size with no recompile."""
+    """The pool's size follows free memory, so it differs from start to start: a graph specialised on it could
+    not be saved for the next start. The graph compiled over one pool runs over a pool of another size."""
     import torch
 
     from furcate.runtime.cache.memory_pool import TokenToKVPool
-    from furcate.runtime.compiled_decode import CompiledDecode, DecodePlan
+    from furcate.runtime.compiled_decode import compile_graph
     from furcate.runtime.model.loader import load_model
 
     torch.manual_seed(0)
@@ -106,14 +118,14 @@ def test_the_compiled_step_serves_any_pool_size(tiny_model_dirs):
     attn = model.model.layers[0].self_attn
     pools = [TokenToKVPool(size, len(model.model.layers), attn.num_kv_heads, attn.head_dim, torch.float32, "cpu")
              for size in (300, 700)]
-    compiled = CompiledDecode(model, pools[0], max_bs=1, quantized_max_rows=0)
+    graph = compile_graph(model, pools[0], bs=1)
     ids, positions, slots = torch.tensor([7]), torch.tensor([2]), torch.tensor([3])
-    plan = DecodePlan(torch.tensor([[1, 2, 3]]), None)
     logits = []
-    with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
+    with torch.inference_mode():
         for pool in pools:
             for buffer in (*pool.k_buffer, *pool.v_buffer):
                 buffer[1:3] = 0.5
-            logits.append(compiled.step(ids, positions, slots, plan, pool.k_buffer, pool.v_buffer))
+            logits.append(graph(model, ids, positions, slots, torch.tensor([[1, 2, 3]]), None, pool.k_buffer,
+                                pool.v_buffer))
     torch.testing.assert_close(logits[0], logits[1])
     assert pools[1].k_buffer[0][3].abs().sum() > 0  # the step wrote its key into the pool it was given

@@ -95,7 +95,25 @@ def test_auto_measures_which_batch_sizes_the_quantized_kernel_serves():
     assert small_batch_rows([torch.nn.Identity() for _ in dense], dense) == ROW_LADDER[-1]
 
 
-def test_auto_on_the_default_model_times_its_mlps_and_keeps_what_won(default_model_dir):
+def test_auto_measures_once_per_machine_and_reads_the_choice_back(private_cache, monkeypatch):
+    """A choice measured again at every start moved with load (4 rows one start, 8 the next), and the compiled
+    graphs that bake it in were never found again; a damaged record is measured again."""
+    from furcate.runtime.model import kernel_choice
+
+    measured = []
+    monkeypatch.setattr(kernel_choice, "small_batch_rows", lambda q, d: measured.append(len(d)) or 4 + len(measured))
+    dense = [torch.nn.Linear(64, 64, bias=False) for _ in range(3)]
+    quantized = [torch.nn.Identity() for _ in dense]
+    assert kernel_choice.remembered_rows(quantized, dense) == 5
+    assert kernel_choice.remembered_rows(quantized, dense) == 5
+    assert kernel_choice.remembered_rows(quantized, dense[:2]) == 6  # other shapes: their own choice
+    assert len(measured) == 2
+    kernel_choice.choice_file(quantized, dense).write_text("{not json")
+    assert kernel_choice.remembered_rows(quantized, dense) == 7
+    assert kernel_choice.remembered_rows(quantized, dense) == 7
+
+
+def test_auto_on_the_default_model_times_its_mlps_and_keeps_what_won(default_model_dir, private_cache):
     model = load_model(str(default_model_dir), torch.bfloat16)
     layers = model.model.layers
     dense_mlp = layers[0].mlp.gate_up_proj

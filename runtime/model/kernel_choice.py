@@ -8,16 +8,25 @@ without it torch's kernels convert every product and may lose to float32. One fl
 engine times both kernels on the model's own layers at start-up (well under a second) and serves with the
 quantized kernel only the batch sizes where it won. It times a run through many layers, not one: a step streams
 every layer's weights from memory, while one layer's dense weights alone would sit in the cache and flatter the
-dense kernel.
+dense kernel. The choice is measured once per machine and model shape and then kept on disk (remembered_rows): on
+a loaded machine a new measurement could pick 4 rows one start and 8 the next, and the compiled decode graphs,
+which bake the choice in, would never be found again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import pathlib
 import time
 
 import torch
 from torch import nn
+
+from ..cache_folder import furcate_cache
+from .block_gemv import SOURCE, cpu_signature
 
 logger = logging.getLogger("furcate.quantize")
 
@@ -53,3 +62,31 @@ def small_batch_rows(quantized: list[nn.Module], dense: list[nn.Linear]) -> int:
             break
         chosen = rows
     return chosen
+
+
+def choice_file(quantized: list[nn.Module], dense: list[nn.Linear]) -> pathlib.Path:
+    """Where the choice for these layers on this machine is kept: keyed by the kernels, shapes and dtype, the CPU,
+    the thread count and the versions of torch and of the block kernel."""
+    parts = [[type(q).__qualname__ for q in quantized], [list(d.weight.shape) for d in dense],
+             str(dense[0].weight.dtype), cpu_signature(), torch.get_num_threads(), torch.__version__,
+             SOURCE.read_text(), os.environ.get("FURCATE_BLOCK_GEMV"), os.environ.get("ATEN_CPU_CAPABILITY")]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+    return furcate_cache() / "kernel_choice" / f"{key}.json"
+
+
+def remembered_rows(quantized: list[nn.Module], dense: list[nn.Linear]) -> int:
+    """small_batch_rows as measured the first time on this machine."""
+    path = choice_file(quantized, dense)
+    try:
+        return int(json.loads(path.read_text())["rows"])
+    except (OSError, ValueError, KeyError, TypeError):  # not measured yet, or a damaged file: measure
+        pass
+    rows = small_batch_rows(quantized, dense)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps({"rows": rows}))
+        os.replace(scratch, path)
+    except OSError as error:  # a read-only cache: measure again next start
+        logger.warning("quantization=auto's choice was not saved: %s", error)
+    return rows

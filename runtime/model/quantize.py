@@ -12,7 +12,7 @@ from .decoder import STACKED, DecoderForCausalLM
 from .default_model import gguf_source
 from .gguf_arch import GGUFArch, GGUFMeta, gguf_arch, open_gguf, rope_row_order
 from .gguf_reader import GGUFTensor
-from .kernel_choice import ROW_LADDER, small_batch_rows
+from .kernel_choice import ROW_LADDER, remembered_rows
 from .quantized import (
     SUPPORTED_TYPES,
     BlockWeights,
@@ -91,10 +91,11 @@ def quantizable_layers(model: DecoderForCausalLM, blocks: dict[str, BlockWeights
 
 def measured_rows(layers: list[SmallBatchQuantized]) -> int:
     """quantization=auto: up to how many rows the quantized kernels beat the dense ones on this CPU (0: never),
-    timed over the layers of the largest shape among them (the MLPs', which dominate a step's weight reads)."""
+    timed over the layers of the largest shape among them (the MLPs', which dominate a step's weight reads), once
+    per machine (kernel_choice.remembered_rows)."""
     largest = max(layers, key=lambda m: m.dense.weight.numel()).dense.weight.shape
     timed = [m for m in layers if m.dense.weight.shape == largest]
-    return small_batch_rows([m.quantized for m in timed], [m.dense for m in timed])
+    return remembered_rows([m.quantized for m in timed], [m.dense for m in timed])
 
 
 def measured_quantization(model: DecoderForCausalLM, blocks: dict[str, BlockWeights],

@@ -8,15 +8,15 @@ Each (system, precision) runs in its own process, one after another, through thr
 
 furcate runs twice: with its defaults, and as furcate-compiled with enable_torch_compile=True (decode graphs
 compiled at start-up when none are saved; its start-up, compile included, is in the report). With the defaults, an
-engine that finds no saved graphs decodes eagerly while a background process builds them: the defaults' worker
-waits for them before timing, and reports whether they were loaded at start or after how long they arrived.
-Precision pairs: float32 (llama.cpp: an F32 GGUF), bfloat16 (a BF16 GGUF) and quantized (furcate's defaults on
-the model's Q4 GGUF: the quantized kernels for small batches; llama.cpp: that same file). The float GGUFs are the Q4 GGUF's weights dequantized, so every system holds the same
-numbers. llama.cpp runs batched on its low-level API (peer_llama_cpp.py) and shares each group's system prompt
-through its KV cells; vLLM (peer_vllm.py, run with its own venv's interpreter) gets the prompts as token ids with
-prefix caching on and otherwise its defaults; HF runs static left-padded batches of 16 without prefix sharing.
-vLLM and HF load furcate's HF-directory conversion of the GGUF, in float32 and bfloat16 only: neither has kernels
-for GGUF Q4_0/Q4_1 blocks.
+engine that finds no saved graphs decodes eagerly while a background process builds them: the defaults' worker waits
+for them before timing, and reports whether they were loaded at start or after how long they arrived. Precision
+pairs: float32 (llama.cpp: an F32 GGUF), bfloat16 (a BF16 GGUF) and quantized (furcate's defaults on the model's Q4
+GGUF: the quantized kernels for small batches; llama.cpp: that same file). The float GGUFs are the Q4 GGUF's weights
+dequantized, so every system holds the same numbers. llama.cpp runs batched on its low-level API (peer_llama_cpp.py)
+and shares each group's system prompt through its KV cells; vLLM (peer_vllm.py, run with its own venv's interpreter)
+gets the prompts as token ids with prefix caching on and otherwise its defaults; HF runs static left-padded batches
+of 16 without prefix sharing. vLLM and HF load furcate's HF-directory conversion of the GGUF, in float32 and
+bfloat16 only: neither has kernels for GGUF Q4_0/Q4_1 blocks.
 
 Models (--model-shape): 135m, the embedded SmolLM2-135M-Instruct (Q4_1); 1b, a Llama-3.2-1B-shaped model with
 random weights built once into the bench cache (peer_models.py; Q4_0, or Q4_1 with --quant-type), reported in

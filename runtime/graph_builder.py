@@ -37,6 +37,7 @@ BUILD_TIMEOUT_S = 30 * 60  # a build still running then is stuck: the builder ex
 POLL_S = 2.0
 LOCK = "building.pid"
 LOG = "build.log"
+FAILED = "failed"  # written by a builder whose build raised: later starts do not try again (delete to retry)
 
 
 def auto_compile_enabled() -> bool:
@@ -64,6 +65,20 @@ class BuildSpec:
     def from_json(cls, text: str) -> BuildSpec:
         fields = json.loads(text)
         return cls(**{**fields, "pool": tuple(fields["pool"]), "sizes": tuple(fields["sizes"])})
+
+
+def start_background_build(spec: BuildSpec) -> BackgroundGraphs | None:
+    """A builder for spec's graphs, unless one failed for them before or none can start (decode stays eager)."""
+    failed = graph_dir(spec.key) / FAILED
+    if failed.exists():
+        logger.info("decode runs eagerly: building its graphs failed before (%s; delete %s to try again)",
+                    failed.read_text(errors="replace").strip()[-300:], failed.parent)
+        return None
+    try:
+        return BackgroundGraphs(spec)
+    except OSError as error:  # a read-only cache folder, no room for a process
+        logger.warning("decode runs eagerly: its graphs' builder did not start: %s", error)
+        return None
 
 
 class BackgroundGraphs:
@@ -169,7 +184,11 @@ def main() -> int:
     spec = BuildSpec.from_json(sys.argv[1])
     torch.set_num_threads(spec.threads)
     use_furcate_inductor_cache()
-    return build(spec)
+    try:
+        return build(spec)
+    except Exception as error:  # e.g. no C++ compiler for inductor: the same would fail at every start
+        (graph_dir(spec.key) / FAILED).write_text(f"{type(error).__name__}: {error}")
+        raise
 
 
 if __name__ == "__main__":

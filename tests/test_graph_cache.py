@@ -127,3 +127,24 @@ def test_a_default_engine_builds_its_graphs_in_the_background_then_loads_them(
         assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == expected
         assert engine.get_stats()["compiled_forward_calls"] == 9  # every token after the prefill's
     assert len(list((tmp_path / "graphs").iterdir())) == 1
+
+
+def test_a_build_that_fails_is_not_tried_again_at_every_start(tiny_model_dirs, tmp_path, private_cache):
+    """No C++ compiler for inductor: the builder fails, says why, and later starts stay eager without a builder."""
+    from furcate.runtime.graph_builder import FAILED, start_background_build
+    from furcate.runtime.scheduler.model_runner import load_serving_model
+
+    model, _ = load_serving_model(str(tiny_model_dirs["llama"]), torch.float32, "none", graphs=True)
+    attn = model.model.layers[0].self_attn
+    pool = TokenToKVPool(16, len(model.model.layers), attn.num_kv_heads, attn.head_dim, torch.float32, "cpu")
+    spec = BuildSpec(str(tiny_model_dirs["llama"]), "float32", "none", 0,
+                     (len(model.model.layers), attn.num_kv_heads, attn.head_dim), (1,), torch.get_num_threads(),
+                     graph_key(model, pool, [1]))
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
+    run = subprocess.run([sys.executable, "-m", "furcate.runtime.graph_builder", spec.to_json()], env=env,
+                         capture_output=True, text=True, timeout=BUILD_WAIT_S)
+    assert run.returncode != 0
+    failed = graph_dir(spec.key) / FAILED
+    assert failed.exists() and "no-such-compiler" in failed.read_text()
+    assert not complete(graph_dir(spec.key), [1]) and not (graph_dir(spec.key) / LOCK).exists()
+    assert start_background_build(spec) is None

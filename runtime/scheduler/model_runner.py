@@ -26,7 +26,7 @@ from ..cuda_graph_runner import CudaGraphRunner, capturable, supports_cuda_graph
 from ..distributed.followers import Followers, NoFollowers
 from ..distributed.parallel_state import TensorParallel
 from ..distributed.spawn import Spawned, spawn_followers
-from ..graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled
+from ..graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled, start_background_build
 from ..graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
 from ..model.layers import attention_shape
 from ..model.loader import load_config, load_model, resolve_dtype
@@ -186,7 +186,7 @@ class ModelRunner:
         if graphs is None and args.enable_torch_compile:
             graphs = self._compile_now(sizes, key)
         elif graphs is None:
-            self.background = BackgroundGraphs(self._build_spec(args, sizes, key))
+            self.background = start_background_build(self._build_spec(args, sizes, key))
         return CompiledDecode(self.model, self.kv_pool, max_bs, graphs) if graphs else None
 
     def _compile_now(self, sizes: list[int], key: str) -> dict[int, object] | None:

@@ -30,6 +30,7 @@ import torch
 from .cache.memory_pool import TokenToKVPool
 from .compiled_decode import compile_graphs
 from .graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
+from .serving_model import load_serving_model
 
 logger = logging.getLogger("furcate.graph_builder")
 
@@ -145,8 +146,6 @@ def build_lock(folder: pathlib.Path) -> Iterator[bool]:
 
 def build(spec: BuildSpec) -> int:
     """The builder's work; its exit code."""
-    from .scheduler.model_runner import load_serving_model  # the engine's own loading, kernel choices included
-
     folder = graph_dir(spec.key)
     with build_lock(folder) as mine:
         if not mine or complete(folder, list(spec.sizes)):

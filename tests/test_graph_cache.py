@@ -132,7 +132,7 @@ def test_a_default_engine_builds_its_graphs_in_the_background_then_loads_them(
 def test_a_build_that_fails_is_not_tried_again_at_every_start(tiny_model_dirs, tmp_path, private_cache):
     """No C++ compiler for inductor: the builder fails, says why, and later starts stay eager without a builder."""
     from furcate.runtime.graph_builder import FAILED, start_background_build
-    from furcate.runtime.scheduler.model_runner import load_serving_model
+    from furcate.runtime.serving_model import load_serving_model
 
     model, _ = load_serving_model(str(tiny_model_dirs["llama"]), torch.float32, "none", graphs=True)
     attn = model.model.layers[0].self_attn

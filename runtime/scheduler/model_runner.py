@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from ..attention.base import ForwardBatch, ModelAttention
 from ..attention.select import make_attention_backend
@@ -29,13 +28,12 @@ from ..distributed.spawn import Spawned, spawn_followers
 from ..graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled, start_background_build
 from ..graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
 from ..model.layers import attention_shape
-from ..model.loader import load_config, load_model, resolve_dtype
-from ..model.packed_linear import pack_linears, packs
-from ..model.quantized import QuantizedModel
+from ..model.loader import load_config, resolve_dtype
 from ..model.vision import checkpoint_vision_spec, load_vision_encoder
 from ..multimodal.embedder import ImageEmbedder
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
+from ..serving_model import load_serving_model
 from .batch import ReqSlice, ScheduleBatch
 
 logger = logging.getLogger("furcate.model_runner")
@@ -70,28 +68,6 @@ class StepResult:
         """Forget slice `index`'s sampled token and its logprobs (the overlap loop found it stale)."""
         for per_slice in (self.next_ids, self.output_logprobs, self.output_top):
             per_slice.pop(index, None)
-
-
-def load_serving_model(model_path: str, dtype: torch.dtype, quantization: str, graphs: bool, device: str = "cpu",
-                       tp: TensorParallel | None = None, quantized_rows: int | None = None,
-                       ) -> tuple[nn.Module, QuantizedModel]:
-    """The model as an engine runs it: loaded, its bfloat16 linears packed, its quantized layers swapped in, with
-    the kernels compiled decode calls best where graphs run it (quantized_rows: auto's limit, measured before)."""
-    tp = tp or TensorParallel(0, 1)
-    model = load_model(model_path, dtype, device, tp)
-    if packs(dtype, device):  # before quantization=auto times the dense layers against int4
-        pack_linears(model)
-    # The GGUF kernels hold whole tensors, so a split model runs dense (config refuses an explicit "gguf"); they
-    # are CPU kernels, so a GPU runs dense weights too.
-    if quantization == "gguf" and device != "cpu":
-        raise ValueError(f"quantization='gguf' runs torch's CPU kernels only; device is {device!r} "
-                         "(use quantization='auto' or 'none')")
-    if quantization == "none" or tp.size > 1 or device != "cpu":
-        return model, QuantizedModel()
-    from ..model.quantize import apply_quantization  # gguf and its readers: not worth importing otherwise
-
-    for_graphs = graphs and compilable(model) is None
-    return model, apply_quantization(model, quantization, model_path, for_graphs, quantized_rows)
 
 
 class ModelRunner:

@@ -6,9 +6,10 @@ compiler fuses). Inductor turns the step into a handful of fused C++ loops aroun
 
 Shapes: the batch size and the longest context are dynamic, so three graphs cover every decode batch: batch 1
 (torch specialises size 1), batches of 2 up to the quantized kernels' row limit, and bigger ones (the model picks
-dense or quantized matmuls by row count, which a graph fixes). All three compile at start-up (warm_up), the long
-part of which inductor caches on disk for the next start; a batch no graph fits (it would recompile) runs the
-same code eagerly, never a compile in the middle of serving.
+dense or quantized matmuls by row count, which a graph fixes). They are compiled ahead of time (torch's
+aot_compile), so they can be saved and loaded without tracing again (graph_cache.py), either at start-up or in a
+background builder (graph_builder.py); a batch no graph fits runs the same code eagerly, never a compile in the
+middle of serving.
 
 Attention reads the KV pool through a padded [B, L] slot table, as torch_native does, but in-graph: the K/V write,
 the gather and SDPA (unmasked at batch 1, where every key is the request's own). Lower-precision intermediates are

@@ -105,7 +105,7 @@ class BackgroundGraphs:
             if complete(self.folder, list(self.spec.sizes)):
                 self.graphs = load_graphs(self.folder, list(self.spec.sizes))
                 return
-            if exit_code not in (None, 0) or (exit_code == 0 and not (self.folder / LOCK).exists()):
+            if exit_code not in (None, 0) or (exit_code == 0 and not holder_alive(self.folder / LOCK)):
                 logger.warning("building the compiled decode graphs failed (exit code %s); decode stays eager: "
                                "see %s", exit_code, self.folder / LOG)
                 return

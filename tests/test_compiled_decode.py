@@ -101,6 +101,7 @@ def test_a_failed_compile_leaves_decode_eager(tiny_model_dirs, hf_reference, tok
                 max_total_tokens=600) as engine:
         out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0})
         assert engine.get_stats()["compiled_forward_calls"] == 0
+        assert engine.get_stats()["decode_graphs"] == "eager"
     assert out["output_ids"] == hf_reference("llama").greedy(ids, 12)
 
 

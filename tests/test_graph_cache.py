@@ -116,16 +116,19 @@ def test_a_default_engine_builds_its_graphs_in_the_background_then_loads_them(
     with Engine(str(tiny_model_dirs["llama"]), **args) as engine:
         assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == expected
         assert engine.get_stats()["compiled_forward_calls"] == 0  # the builder has not even imported torch yet
+        assert engine.get_stats()["decode_graphs"] == "building"
         deadline = time.monotonic() + BUILD_WAIT_S
         while engine.get_stats()["compiled_forward_calls"] == 0 and time.monotonic() < deadline:
             time.sleep(1)
             assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == expected
         assert engine.get_stats()["compiled_forward_calls"] > 0
+        assert engine.get_stats()["decode_graphs"] == "compiled"
     folders = list((tmp_path / "graphs").iterdir())
     assert len(folders) == 1 and complete(folders[0], [1]) and not (folders[0] / LOCK).exists()
     with Engine(str(tiny_model_dirs["llama"]), **args) as engine:
         assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == expected
         assert engine.get_stats()["compiled_forward_calls"] == 9  # every token after the prefill's
+        assert engine.get_stats()["decode_graphs"] == "compiled"
     assert len(list((tmp_path / "graphs").iterdir())) == 1
 
 

@@ -185,6 +185,11 @@ class ModelRunner:
                          self.quantized.max_rows, (len(self.model.model.layers), attn.num_kv_heads, attn.head_dim),
                          tuple(sizes), torch.get_num_threads(), key)
 
+    def decode_graphs(self) -> str:
+        """How decode runs: "compiled" (its graphs loaded), "building" (eager until the builder's graphs load), or
+        "eager"."""
+        return "compiled" if self.compiled is not None else "building" if self.background is not None else "eager"
+
     def adopt_background_graphs(self) -> None:
         """Decode through the graphs the background build delivered, from the next batch on."""
         if self.background is not None and self.background.graphs is not None:

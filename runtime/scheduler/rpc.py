@@ -79,6 +79,7 @@ class SchedulerRpc:
             "forward_calls": runner.forward_calls,
             "graph_forward_calls": runner.graph_calls,
             "compiled_forward_calls": 0 if runner.compiled is None else runner.compiled.calls,
+            "decode_graphs": runner.decode_graphs(),
             "kv_available": runner.kv_pool.available_size(),
             "max_total_tokens": runner.max_total_tokens,
             "evictable_tokens": s.cache.evictable_size(),

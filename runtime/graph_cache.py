@@ -9,6 +9,7 @@ runtime sources. Anything else changed makes a new key, so a stale graph is neve
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -17,6 +18,7 @@ import logging
 import os
 import pathlib
 import shutil
+import time
 
 import torch
 from torch import nn
@@ -29,6 +31,8 @@ logger = logging.getLogger("furcate.graph_cache")
 
 RUNTIME = pathlib.Path(__file__).parent
 MAX_DEPTH = 6  # of plain values inside an attribute (a config's nested dicts)
+# Graph folders no start has loaded for this long go (an older furcate's or torch's keys are never loaded again).
+UNUSED_S = 30 * 24 * 3600
 
 
 def use_furcate_inductor_cache() -> None:
@@ -103,11 +107,22 @@ def complete(folder: pathlib.Path, sizes: list[int]) -> bool:
 
 
 def save_graphs(folder: pathlib.Path, graphs: dict[int, object]) -> None:
-    """Each graph written whole (aot_compile writes a temporary file and renames it), the batch-1 one last is not
-    needed: complete() asks for every file, so a half-saved set is never loaded."""
+    """Each graph written whole (aot_compile writes a temporary file and renames it), and complete() asks for
+    every file, so a half-saved set is never loaded; then folders long unused are removed."""
     folder.mkdir(parents=True, exist_ok=True)
     for bs, graph in graphs.items():
         graph.save_compiled_function(str(graph_file(folder, bs)))
+    prune_unused(folder.parent)
+
+
+def prune_unused(root: pathlib.Path, now: float | None = None) -> list[pathlib.Path]:
+    """Remove the graph folders under root that no start loaded (load_graphs touches what it loads) nor built
+    for UNUSED_S; the folders removed."""
+    cutoff = (time.time() if now is None else now) - UNUSED_S
+    stale = [folder for folder in root.iterdir() if folder.is_dir() and folder.stat().st_mtime < cutoff]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return stale
 
 
 def load_graphs(folder: pathlib.Path, sizes: list[int]) -> dict[int, object] | None:
@@ -124,4 +139,6 @@ def load_graphs(folder: pathlib.Path, sizes: list[int]) -> dict[int, object] | N
                        type(error).__name__, error)
         shutil.rmtree(folder, ignore_errors=True)
         return None
+    with contextlib.suppress(OSError):  # a read-only cache: the folder may be pruned after UNUSED_S
+        os.utime(folder)
     return graphs

@@ -72,6 +72,22 @@ def test_the_key_follows_what_a_graph_bakes_in(tiny_model_dirs):
     assert graph_key(model, pool, [1, 2]) != key
 
 
+def test_graph_folders_long_unused_are_pruned_and_loading_keeps_one(tmp_path):
+    from furcate.runtime.graph_cache import UNUSED_S, prune_unused
+
+    now = time.time()
+    old, recent, loaded = (tmp_path / name for name in ("old", "recent", "loaded"))
+    for folder in (old, recent, loaded):
+        folder.mkdir()
+        os.utime(folder, (now - 2 * UNUSED_S, now - 2 * UNUSED_S))
+    os.utime(recent, (now - UNUSED_S / 2, now - UNUSED_S / 2))
+    graph_file(loaded, 1).write_bytes(b"")
+    os.utime(loaded, (now - 2 * UNUSED_S, now - 2 * UNUSED_S))
+    assert load_graphs(loaded, []) == {}  # no sizes asked: nothing read, but the folder counts as used
+    assert prune_unused(tmp_path, now) == [old]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loaded", "recent"]
+
+
 @pytest.mark.parametrize("content", [b"", b"\x80not a pickle", b"x" * 1000])
 def test_a_damaged_graph_file_is_removed_not_loaded(tmp_path, content):
     folder = tmp_path / "graphs"

@@ -154,9 +154,11 @@ class CompiledDecode:
         self.calls = 0
 
     def can_run(self, forward: ForwardBatch) -> bool:
-        """A decode batch (one token per request, each after a prefix: a context of one would be a new graph)."""
+        """A decode batch (one token per request, each after a prefix: a context of one would be a new graph) at
+        one-axis positions, as the graphs were traced (they run without guards). An M-RoPE model's tokens after an
+        image are one-axis too (shifted by the image's delta); three-axis ones come only with an image's tokens."""
         return (forward.batch_size <= self.max_bs and one_token_each(forward)
-                and int(forward.prefix_lens.min()) > 0)
+                and int(forward.prefix_lens.min()) > 0 and forward.positions.dim() == 1)
 
     def run(self, forward: ForwardBatch) -> torch.Tensor:
         """Logits [batch_size, vocab] (float32) of a batch can_run accepted, planned by plan_decode."""

@@ -103,6 +103,21 @@ def test_family_greedy_equals_hf(family, family_dirs, expected):
     assert_greedy_equals_hf(family_dirs[family], lambda: expected(family))
 
 
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_family_compiled_decode_greedy_equals_hf(family, family_dirs, expected):
+    """Compiled decode is the default on a CPU (graphs built in the background), so every family it accepts keeps
+    HF's greedy tokens through its two graphs (batch 1 and the batches of PROMPTS); the others decode eagerly."""
+    with engine_starting(str(family_dirs[family]), **ENGINE_ARGS, enable_torch_compile=True,
+                         torch_compile_max_bs=4, max_running_requests=4) as started:
+        reference = expected(family)
+        engine = started()
+        outputs = generate_all(engine)[0]
+        compiled = engine.get_stats()["compiled_forward_calls"]
+    assert_equal_up_to_ties(outputs, reference, family_dirs[family])
+    accepted = compilable(load_model(str(family_dirs[family]), torch.float32)) is None
+    assert (compiled > 0) if accepted else (compiled == 0)
+
+
 def assert_tensor_parallel_greedy_equals_hf(model_dir: Path, reference: Callable[[], list[list[int]]]) -> None:
     """tp_size 2 (two processes over gloo), prefill in chunks of 16, radix on."""
     with engine_starting(str(model_dir), **ENGINE_ARGS | {"torch_num_threads": 1}, tp_size=2,

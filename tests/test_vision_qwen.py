@@ -113,6 +113,23 @@ def test_greedy_equals_hf_for_a_batch_of_prompts_showing_different_images(engine
         assert engines[0].generate(prompt, GREEDY, image_data=images[i])["output_ids"] == expected[i]
 
 
+def test_compiled_decode_after_an_image_keeps_hf_tokens(model_dir, reference):
+    """Compiled decode is the CPU default: a request that showed an image decodes through the graphs too (its
+    tokens after the image sit at one-axis positions shifted by the image's delta), as does a text-only one."""
+    from furcate import Engine
+
+    prompt, _ = PROMPTS[2]  # image, text, image
+    expected = reference.greedy(prompt, shown(2))
+    text = "a quiet harbour at dawn"
+    with Engine(str(model_dir), **EXACT, max_total_tokens=4096, torch_num_threads=2, enable_torch_compile=True,
+                torch_compile_max_bs=1) as engine:
+        assert engine.generate(prompt, GREEDY, image_data=shown(2))["output_ids"] == expected
+        assert engine.get_stats()["compiled_forward_calls"] == len(expected) - 1
+        out = engine.generate(text, GREEDY)["output_ids"]
+        assert engine.get_stats()["compiled_forward_calls"] == len(expected) + len(out) - 2
+    assert out == reference.greedy(text, [])
+
+
 def test_chunked_prefill_of_16_cuts_through_an_image(engines, reference):
     prompt = f"A preamble before the image, long enough to end a chunk inside it: {IMAGE} so what?"
     image = picture(5, (64, 64))  # 16 tokens

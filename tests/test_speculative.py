@@ -33,7 +33,8 @@ COMMON = {**EXACT, "max_total_tokens": TINY_POOL_TOKENS, "torch_num_threads": 2}
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs):
     """Speculative and plain engines on the tiny mistral model (grammars on, for the constrained test), and
-    speculative ones on llama (radix cache off, a pool small enough to retract) and qwen2 (16-token chunks)."""
+    speculative ones on llama (radix cache off, a pool small enough to retract) and qwen2 (16-token chunks,
+    compiled decode)."""
     mistral, llama, qwen = (str(tiny_model_dirs[arch]) for arch in ("mistral", "llama", "qwen2"))
     grammar = {"grammar_backend": "xgrammar"}  # one backend's tables: the engine starts faster than with auto's
     started = start_side_by_side(
@@ -41,7 +42,9 @@ def engines(tiny_model_dirs):
         (mistral, {**COMMON, **grammar}),
         (llama, {**COMMON, **NO_GRAMMAR, **SPEC, "disable_radix_cache": True, "max_total_tokens": 256,
                  "init_new_token_ratio": 0.1, "min_new_token_ratio": 0.05}),
-        (qwen, {**COMMON, **NO_GRAMMAR, **SPEC, "chunked_prefill_size": 16}),
+        # Compiled decode (the CPU default) runs the steps where no request has drafts; verifies stay eager.
+        (qwen, {**COMMON, **NO_GRAMMAR, **SPEC, "chunked_prefill_size": 16, "enable_torch_compile": True,
+                "torch_compile_max_bs": 8}),
     )
     yield dict(zip(("spec", "plain", "llama", "qwen2"), started))
     shut_down(started)
@@ -105,6 +108,8 @@ def test_greedy_batch_equals_hf(arch, engines, hf_reference, tokenizer):
     assert drafted > accepted, "no rejected drafts: the verify path was not exercised"
     if arch == "llama":
         assert engine.get_stats()["num_retractions"] > 0, "the small pool was meant to force retraction"
+    else:
+        assert engine.get_stats()["compiled_forward_calls"] > 0, "no step ran through the decode graphs"
     assert_pool_free(engine)
 
 

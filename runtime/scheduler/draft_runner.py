@@ -59,7 +59,7 @@ def draft_args(args: EngineArgs, target: ModelRunner) -> EngineArgs:
     eager forwards (its batches change shape every position), and no speculation of its own."""
     return dataclasses.replace(
         args, tp_size=1, quantization=args.draft_quantization, dtype=str(target.dtype).removeprefix("torch."),
-        context_length=target.context_length, disable_cuda_graph=True,
+        context_length=target.context_length, disable_cuda_graph=True, enable_torch_compile=False,
         max_total_tokens=args.speculative_draft_max_total_tokens or target.max_total_tokens,
         speculative_algorithm=None, speculative_draft_model_path=None, speculative_draft_model_quantization=None,
         speculative_draft_max_total_tokens=None)

@@ -11,8 +11,9 @@ aot_compile), so they can be saved and loaded without tracing again (graph_cache
 background builder (graph_builder.py); a batch no graph fits runs the same code eagerly, never a compile in the
 middle of serving.
 
-Attention reads the KV pool through a padded [B, L] slot table, as torch_native does, but in-graph: the K/V write,
-the gather and SDPA (unmasked at batch 1, where every key is the request's own). Lower-precision intermediates are
+Attention reads the KV pool through a padded [B, L] slot table: paged_decode's kernel reads each request's slots
+where they lie (an op in the graph); where that kernel is not built, the graph gathers the slots and runs SDPA
+(unmasked at batch 1, where every key is the request's own). Lower-precision intermediates are
 rounded where eager rounds them (emulate_precision_casts): the default model's quantized bfloat16 step at batch 1
 gives eager's logits bit for bit; a dense one-row matmul, which inductor sums in its own order, differs by rounding
 noise, as float32 reductions do in their last bits (greedy output equals HF's in float32: the tests check it).
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .attention import paged_decode
 from .attention.base import ForwardBatch
 from .cache.memory_pool import TokenToKVPool
 from .cuda_graph_runner import MOE_REASON, one_token_each
@@ -40,36 +42,51 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True}
 @dataclass
 class DecodePlan:
     """What a compiled step reads of a decode batch's requests: KV slots padded to the longest (padding at slot 0,
-    never handed out) and, above batch 1, which slots are real."""
+    never handed out), each request's length, and, where the graph gathers for SDPA above batch 1, which slots
+    are real."""
 
     kv_index: torch.Tensor  # [B, L]
-    key_valid: torch.Tensor | None  # [B, 1, 1, L] bool; None at batch 1
+    seq_lens: torch.Tensor  # [B] int64
+    key_valid: torch.Tensor | None  # [B, 1, 1, L] bool; None where the kernel reads the pool, or at batch 1
 
 
-def plan_decode(forward: ForwardBatch) -> DecodePlan:
+@torch.compiler.assume_constant_result  # traced as the constant it is (graph_key holds the kernel's presence)
+def uses_paged_kernel(model, kv_dtype: torch.dtype) -> bool:
+    """Whether the model's graphs attend through paged_decode's kernel (fixed when they are traced)."""
+    attn = model.model.layers[0].self_attn
+    return paged_decode.supports(attn.num_heads, attn.num_kv_heads, attn.head_dim, kv_dtype)
+
+
+def plan_decode(forward: ForwardBatch, paged: bool) -> DecodePlan:
     """Reads the request table: on the scheduler thread (prepare), as the eager backends plan."""
     seq_lens = forward.seq_lens
     longest = int(seq_lens.max())
     table = forward.req_to_token_pool.req_to_token[forward.req_pool_indices, :longest]
-    if forward.batch_size == 1:
-        return DecodePlan(table, None)  # indexing by a tensor copied the rows already
+    lens = seq_lens.to(torch.int64)
+    if paged or forward.batch_size == 1:
+        return DecodePlan(table, lens, None)  # indexing by a tensor copied the rows already
     valid = torch.arange(longest)[None, :] < seq_lens[:, None]
-    return DecodePlan(torch.where(valid, table, torch.zeros_like(table)), valid[:, None, None, :])
+    return DecodePlan(torch.where(valid, table, torch.zeros_like(table)), lens, valid[:, None, None, :])
 
 
 class PoolDecodeAttention:
-    """The attention backend a compiled step traces: writes each layer's new K/V, gathers the planned slots,
-    attends with SDPA. Queries are grouped under their KV head (one query per request), as torch_native does."""
+    """The attention backend a compiled step traces: writes each layer's new K/V, then attends through
+    paged_decode's op where it is built for the model (uses_paged_kernel), else gathers the planned slots for
+    SDPA, with queries grouped under their KV head (one query per request), as torch_native does."""
 
     def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor], out_cache_loc: torch.Tensor,
-                 plan: DecodePlan) -> None:
+                 plan: DecodePlan, paged: bool) -> None:
         self.k_buffers, self.v_buffers, self.out_cache_loc, self.plan = k_buffers, v_buffers, out_cache_loc, plan
+        self.paged = paged
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float,
                 sliding_window: int | None) -> torch.Tensor:
         k_buffer, v_buffer = self.k_buffers[layer_id], self.v_buffers[layer_id]
         k_buffer.index_copy_(0, self.out_cache_loc, k)
         v_buffer.index_copy_(0, self.out_cache_loc, v)
+        if self.paged:
+            out = paged_decode.attention_op(q, k_buffer, v_buffer, self.plan.kv_index, self.plan.seq_lens, scaling)
+            return out.reshape(q.shape[0], -1)
         bsz, length = self.plan.kv_index.shape
         num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
         flat = self.plan.kv_index.reshape(-1)
@@ -96,11 +113,14 @@ def compilable(model) -> str | None:
 
 
 def decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-                kv_index: torch.Tensor, key_valid: torch.Tensor | None, k_buffers: list[torch.Tensor],
-                v_buffers: list[torch.Tensor]) -> torch.Tensor:
+                kv_index: torch.Tensor, seq_lens: torch.Tensor, key_valid: torch.Tensor | None,
+                k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> torch.Tensor:
     """The traced step: logits [B, vocab] of one token per request. The model is an argument, so a saved graph
-    holds no weights: it reads them from the model it is called with, also after weight updates."""
-    attn = PoolDecodeAttention(k_buffers, v_buffers, out_cache_loc, DecodePlan(kv_index, key_valid))
+    holds no weights: it reads them from the model it is called with, also after weight updates. Attention goes
+    through paged_decode's kernel where it is built for the model's shape (uses_paged_kernel)."""
+    plan = DecodePlan(kv_index, seq_lens, key_valid)
+    attn = PoolDecodeAttention(k_buffers, v_buffers, out_cache_loc, plan,
+                               uses_paged_kernel(model, k_buffers[0].dtype))
     return model.logits(model.hidden(model.embed_ids(input_ids), positions, attn))
 
 
@@ -111,21 +131,24 @@ def size_classes(max_bs: int, quantized_max_rows: int) -> list[int]:
     return sorted({bs for bs in (1, 2, quantized_max_rows + 1) if 1 <= bs <= max_bs})
 
 
-def example_inputs(bs: int, kv_pool: TokenToKVPool) -> tuple:
+def example_inputs(bs: int, kv_pool: TokenToKVPool, paged: bool) -> tuple:
     """A decode step of bs requests over KV slot 0 (never handed out), for tracing. The context length is
     dynamic, so the graph serves every length, and so is the pool's size, which follows free memory and so
-    differs from start to start; above batch 1 the batch size is dynamic too."""
+    differs from start to start; above batch 1 the batch size is dynamic too. paged: the graph attends through
+    paged_decode's kernel (no key mask)."""
     kv_index = torch.zeros(bs, 2, dtype=torch.long)
-    key_valid = None if bs == 1 else torch.ones(bs, 1, 1, 2, dtype=torch.bool)
+    key_valid = None if bs == 1 or paged else torch.ones(bs, 1, 1, 2, dtype=torch.bool)
     per_request = [torch.zeros(bs, dtype=torch.long) for _ in range(3)]  # ids, positions, KV slots
+    seq_lens = torch.full((bs,), 2, dtype=torch.long)
     torch._dynamo.mark_dynamic(kv_index, 1)
     for buffer in (*kv_pool.k_buffer, *kv_pool.v_buffer):
         torch._dynamo.mark_dynamic(buffer, 0)
     if bs > 1:
-        torch._dynamo.mark_dynamic(key_valid, 3)
-        for tensor in (kv_index, key_valid, *per_request):
+        if key_valid is not None:
+            torch._dynamo.mark_dynamic(key_valid, 3)
+        for tensor in (kv_index, seq_lens, *per_request, *([key_valid] if key_valid is not None else [])):
             torch._dynamo.mark_dynamic(tensor, 0)
-    return (*per_request, kv_index, key_valid, kv_pool.k_buffer, kv_pool.v_buffer)
+    return (*per_request, kv_index, seq_lens, key_valid, kv_pool.k_buffer, kv_pool.v_buffer)
 
 
 def compile_graph(model, kv_pool: TokenToKVPool, bs: int):
@@ -133,7 +156,8 @@ def compile_graph(model, kv_pool: TokenToKVPool, bs: int):
     tracing again (torch's aot_compile). Its guards are off once loaded: CompiledDecode picks the graph."""
     step = torch.compile(decode_step, fullgraph=True, options=COMPILE_OPTIONS)
     with torch._dynamo.config.patch(enable_aot_compile=True), torch.inference_mode():
-        graph = step.aot_compile(((model, *example_inputs(bs, kv_pool)), {}))
+        inputs = example_inputs(bs, kv_pool, uses_paged_kernel(model, kv_pool.dtype))
+        graph = step.aot_compile(((model, *inputs), {}))
     graph.disable_guard_check()
     return graph
 
@@ -151,6 +175,7 @@ class CompiledDecode:
 
     def __init__(self, model, kv_pool: TokenToKVPool, max_bs: int, graphs: dict[int, object]) -> None:
         self.model, self.kv_pool, self.max_bs, self.graphs = model, kv_pool, max_bs, graphs
+        self.paged = uses_paged_kernel(model, kv_pool.dtype)
         self.calls = 0
 
     def can_run(self, forward: ForwardBatch) -> bool:
@@ -160,14 +185,18 @@ class CompiledDecode:
         return (forward.batch_size <= self.max_bs and one_token_each(forward)
                 and int(forward.prefix_lens.min()) > 0 and forward.positions.dim() == 1)
 
+    def plan(self, forward: ForwardBatch) -> DecodePlan:
+        """What the graphs read of a batch can_run accepted (on the scheduler thread)."""
+        return plan_decode(forward, self.paged)
+
     def run(self, forward: ForwardBatch) -> torch.Tensor:
-        """Logits [batch_size, vocab] (float32) of a batch can_run accepted, planned by plan_decode."""
+        """Logits [batch_size, vocab] (float32) of a batch can_run accepted, planned by plan."""
         self.calls += 1
         plan: DecodePlan = forward.attn_metadata
         with torch.inference_mode():
             return self.step(forward.batch_size)(
                 self.model, forward.input_ids, forward.positions, forward.out_cache_loc, plan.kv_index,
-                plan.key_valid, self.kv_pool.k_buffer, self.kv_pool.v_buffer)
+                plan.seq_lens, plan.key_valid, self.kv_pool.k_buffer, self.kv_pool.v_buffer)
 
     def step(self, bs: int):
         """The graph of bs's size class: the one of the largest smallest size not above it."""

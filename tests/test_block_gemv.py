@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from furcate.runtime import native_build
 from furcate.runtime.model import block_gemv
 from furcate.runtime.model.quantized import (
     BlockGemvLinear,
@@ -26,7 +27,7 @@ from furcate.runtime.model.quantized import (
 
 pytestmark = pytest.mark.skipif(not block_gemv.available(), reason=f"no block GEMV kernel: {block_gemv.isa()}")
 
-CPU_FLAGS = set(block_gemv.cpu_signature().split())
+CPU_FLAGS = set(native_build.cpu_signature().split())
 # extra compiler flags -> the path that build takes on this CPU (-march=native picks the widest it has)
 BUILDS = {(): None, ("-mno-avx512f",): "AVX2", ("-mno-avx", "-mno-avx2"): "plain C"}
 

@@ -13,6 +13,7 @@ from furcate.runtime.model.default_model import find_default_gguf, prepare_user_
 from test_greedy_matches_hf import generate_staggered, make_prompts
 from tiny_gguf import build_tiny_gguf
 
+BF16_NOISE = 0.15  # logprob differences bfloat16's rounding makes between two summation orders here
 COMPILED = {"enable_torch_compile": True, "torch_num_threads": 2, **NO_GRAMMAR}
 
 
@@ -47,15 +48,18 @@ def test_compiled_bfloat16_decode_stays_with_eager(tmp_path, private_cache):
     params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     compiled = {**common, "enable_torch_compile": True, "torch_compile_max_bs": 1}  # batch 1: one graph to compile
     with engines_side_by_side((gguf, common), (gguf, compiled)) as engines:
-        outputs = [e.generate(input_ids=list(range(200, 240)), sampling_params=params, return_logprob=True)
-                   for e in engines]
+        outputs = [e.generate(input_ids=list(range(200, 240)), sampling_params=params, return_logprob=True,
+                              top_logprobs_num=2) for e in engines]
         assert engines[1].get_stats()["compiled_forward_calls"] >= 23
         assert engines[0].get_stats()["compiled_forward_calls"] == 0
     ids = [o["output_ids"] for o in outputs]
-    assert ids[0][:8] == ids[1][:8]
     same = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), len(ids[0]))
+    assert same >= 4
     logprobs = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"][:same]] for o in outputs]
-    assert max(abs(a - b) for a, b in zip(*logprobs)) < 0.15
+    assert max(abs(a - b) for a, b in zip(*logprobs)) < BF16_NOISE
+    if same < len(ids[0]):  # where the two part, eager's top two were within that noise: a near tie
+        first, second = outputs[0]["meta_info"]["output_top_logprobs"][same][:2]
+        assert first[0] - second[0] < BF16_NOISE
 
 
 def test_sliding_window_models_decode_eagerly(tiny_model_dirs, hf_reference, tokenizer):
@@ -126,7 +130,7 @@ def test_the_compiled_step_serves_any_pool_size(tiny_model_dirs):
         for pool in pools:
             for buffer in (*pool.k_buffer, *pool.v_buffer):
                 buffer[1:3] = 0.5
-            logits.append(graph(model, ids, positions, slots, torch.tensor([[1, 2, 3]]), None, pool.k_buffer,
-                                pool.v_buffer))
+            logits.append(graph(model, ids, positions, slots, torch.tensor([[1, 2, 3]]), torch.tensor([3]), None,
+                                pool.k_buffer, pool.v_buffer))
     torch.testing.assert_close(logits[0], logits[1])
     assert pools[1].k_buffer[0][3].abs().sum() > 0  # the step wrote its key into the pool it was given

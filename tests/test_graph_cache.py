@@ -14,7 +14,7 @@ import torch
 from conftest import EXACT, NO_GRAMMAR
 from furcate import Engine
 from furcate.runtime.cache.memory_pool import TokenToKVPool
-from furcate.runtime.compiled_decode import compile_graphs, decode_step
+from furcate.runtime.compiled_decode import compile_graphs, decode_step, uses_paged_kernel
 from furcate.runtime.graph_builder import LOCK, BuildSpec, build, build_lock
 from furcate.runtime.graph_cache import complete, graph_dir, graph_file, graph_key, load_graphs, save_graphs
 from furcate.runtime.model.loader import load_model
@@ -29,15 +29,17 @@ def tiny(tiny_model_dirs, dtype=torch.float32, pool_tokens: int = 64):
     return model, pool
 
 
-def decode_inputs(bs: int, length: int, pool: TokenToKVPool) -> tuple:
+def decode_inputs(model, bs: int, length: int, pool: TokenToKVPool) -> tuple:
     torch.manual_seed(bs)
     for buffer in (*pool.k_buffer, *pool.v_buffer):
         buffer.normal_()
     kv_index = torch.arange(1, bs * length + 1).view(bs, length)
-    key_valid = None if bs == 1 else torch.ones(bs, 1, 1, length, dtype=torch.bool)
+    paged = uses_paged_kernel(model, pool.dtype)
+    key_valid = None if bs == 1 or paged else torch.ones(bs, 1, 1, length, dtype=torch.bool)
     ids, positions = torch.arange(100, 100 + bs), torch.full((bs,), length - 1)
     slots = kv_index[:, -1] + 0  # each request's newest token: its own KV slot
-    return ids, positions, slots, kv_index, key_valid, pool.k_buffer, pool.v_buffer
+    seq_lens = torch.full((bs,), length)
+    return ids, positions, slots, kv_index, seq_lens, key_valid, pool.k_buffer, pool.v_buffer
 
 
 def test_saved_graphs_load_and_compute_what_eager_decode_does(tiny_model_dirs, private_cache):
@@ -49,7 +51,7 @@ def test_saved_graphs_load_and_compute_what_eager_decode_does(tiny_model_dirs, p
     loaded = load_graphs(folder, sizes)
     with torch.inference_mode():
         for bs in (1, 2, 3):
-            inputs = decode_inputs(bs, 5, pool)
+            inputs = decode_inputs(model, bs, 5, pool)
             eager = decode_step(model, *inputs)
             graph = loaded[1 if bs == 1 else 2]
             torch.testing.assert_close(graph(model, *inputs), eager, rtol=1e-4, atol=1e-4)

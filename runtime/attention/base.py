@@ -72,6 +72,7 @@ class ModelAttention:
     dtype: torch.dtype
     windows: frozenset[int | None] = frozenset({None})  # the layers' sliding windows; None: full attention
     logit_cap: float | None = None  # the layers' attention soft-capping (Gemma 2), None: none
+    num_kv_heads: int | None = None  # KV heads on this rank; None: not told
 
 
 class AttentionBackend(Protocol):

@@ -65,13 +65,14 @@ def resolve_attention_backend(name: str, device: str) -> str:
 
 def make_attention_backend(name: str, device: str, model: ModelAttention | None = None):
     """A backend flagged `needs_model` plans batches before any layer runs, so it is built with the model's
-    attention shape; the others learn what they need from each layer's call."""
+    attention shape; one flagged `uses_model` is given it when known (torch_native picks its decode kernel by
+    it); the others learn what they need from each layer's call."""
     backend = registry.resolve(KIND, soft_cap_capable(name, resolve_attention_backend(name, device), model))
-    if not getattr(backend, "needs_model", False):
-        return backend()
-    if model is None:
-        raise ValueError(f"attention_backend {name!r} plans ahead and needs the model's attention shape")
-    return backend(model)
+    if getattr(backend, "needs_model", False):
+        if model is None:
+            raise ValueError(f"attention_backend {name!r} plans ahead and needs the model's attention shape")
+        return backend(model)
+    return backend(model) if getattr(backend, "uses_model", False) else backend()
 
 
 def soft_cap_capable(asked: str, resolved: str, model: ModelAttention | None) -> str:

@@ -17,24 +17,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import pathlib
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from ..cache_folder import furcate_cache
+from .. import native_build
 
 logger = logging.getLogger("furcate.block_gemv")
 
 SOURCE = pathlib.Path(__file__).with_name("block_gemv.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 ROWS = 4  # weight rows a block holds (block_gemv.c's ROWS)
 PAIR = 64  # weights of a pair of 32-weight groups, the kernel's unit along K
 ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX2", 0: "plain C"}
@@ -44,42 +41,10 @@ _LANE = np.arange(PAIR) >> 2
 POSITION_K = 32 * (_LANE & 1) + 4 * (_LANE >> 1) + (np.arange(PAIR) & 3)
 
 
-def cache_dir() -> pathlib.Path:
-    return furcate_cache() / "kernels"
-
-
-def cpu_signature() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
-    try:
-        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-
-
-def library_path(compiler: str, flags: tuple[str, ...]) -> pathlib.Path:
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags, cpu_signature()]).encode())
-    return cache_dir() / f"block_gemv-{key.hexdigest()[:16]}.so"
-
-
-def build(compiler: str, flags: tuple[str, ...], target: pathlib.Path) -> None:
-    """Compile into a temporary file and move it into place, so a concurrent start never loads half a file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = pathlib.Path(scratch) / target.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.replace(built, target)
-
-
 def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The kernel built with FLAGS and extra_flags (say -mno-avx512f for the AVX2 path), building it if needed;
-    raises OSError or SubprocessError where it cannot be built or loaded."""
-    compiler, flags = os.environ.get("CC", "cc"), FLAGS + extra_flags
-    target = library_path(compiler, flags)
-    if not target.exists():
-        build(compiler, flags, target)
-    lib = ctypes.CDLL(str(target))
+    """The kernel built with native_build's flags and extra_flags (say -mno-avx512f for the AVX2 path), building
+    it if needed; raises OSError or SubprocessError where it cannot be built or loaded."""
+    lib = native_build.load(SOURCE, extra_flags)
     lib.block_gemv.restype = None
     lib.block_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -98,7 +63,7 @@ def library() -> ctypes.CDLL | str:
     try:
         lib = load()
     except (OSError, subprocess.SubprocessError) as error:
-        reason = (getattr(error, "stderr", None) or str(error)).strip()
+        reason = native_build.failure_reason(error)
         logger.warning("block GEMV kernel unavailable, quantized layers use torch's kernels: %s", reason)
         return f"could not build or load it: {reason}"
     logger.info("block GEMV kernel: %s", ISA_NAMES[lib.block_gemv_isa()])

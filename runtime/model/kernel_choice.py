@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ..cache_folder import furcate_cache
-from .block_gemv import SOURCE, cpu_signature
+from ..native_build import cpu_signature
+from .block_gemv import SOURCE
 
 logger = logging.getLogger("furcate.quantize")
 

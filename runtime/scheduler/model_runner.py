@@ -18,7 +18,7 @@ from safetensors import safe_open
 from ..attention.base import ForwardBatch, ModelAttention
 from ..attention.select import make_attention_backend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from ..compiled_decode import CompiledDecode, DecodePlan, compilable, compile_graphs, plan_decode, size_classes
+from ..compiled_decode import CompiledDecode, DecodePlan, compilable, compile_graphs, size_classes
 from ..config import EngineArgs
 from ..cuda_graph import capture_batch_sizes
 from ..cuda_graph_runner import CudaGraphRunner, capturable, supports_cuda_graphs
@@ -229,7 +229,7 @@ class ModelRunner:
         """Everything of a forward that reads scheduler state; runs on the scheduler thread."""
         self.adopt_background_graphs()
         if self.compiled is not None and self.compiled.can_run(batch.forward):
-            batch.forward.attn_metadata = plan_decode(batch.forward)
+            batch.forward.attn_metadata = self.compiled.plan(batch.forward)
             return
         if self.graphs is not None:  # padding rows come last: the batch's logit rows stay where they were
             batch.forward = self.graphs.pad(batch.forward)
@@ -321,7 +321,7 @@ def model_attention(model, dtype: torch.dtype) -> ModelAttention:
     layers = [layer.self_attn for layer in model.model.layers]
     return ModelAttention(num_heads=layers[0].num_heads, head_dim=layers[0].head_dim, scaling=layers[0].scaling,
                           dtype=dtype, windows=frozenset(a.sliding_window for a in layers),
-                          logit_cap=layers[0].logit_cap)
+                          logit_cap=layers[0].logit_cap, num_kv_heads=layers[0].num_kv_heads)
 
 
 def available_memory_bytes() -> int:

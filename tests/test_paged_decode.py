@@ -43,6 +43,7 @@ def case(batch, heads, kv_heads, dim, length, dtype, query_scale=1.0, seed=0):
     (1, 9, 3, 64, 64), (2, 9, 3, 64, 65),  # a block exactly, and one key past it
     (32, 9, 3, 64, 300),  # the default model's shape at a serving batch
     (3, 32, 8, 128, 200), (2, 16, 1, 256, 130), (4, 4, 4, 16, 70),  # other groups and head sizes
+    (8, 128, 16, 16, 40),  # more query heads than a work item holds: two items a request
 ])
 def test_matches_sdpa_over_gathered_keys(batch, heads, kv_heads, dim, length, dtype, tolerance):
     q, k_pool, v_pool, kv_index, seq_lens = case(batch, heads, kv_heads, dim, length, dtype)

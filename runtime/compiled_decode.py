@@ -11,8 +11,8 @@ aot_compile), so they can be saved and loaded without tracing again (graph_cache
 background builder (graph_builder.py); a batch no graph fits runs the same code eagerly, never a compile in the
 middle of serving.
 
-Attention reads the KV pool through a padded [B, L] slot table: paged_decode's kernel reads each request's slots
-where they lie (an op in the graph); where that kernel is not built, the graph gathers the slots and runs SDPA
+Attention reads the KV pool through a padded [B, L] slot table: paged_attention's kernel reads each request's
+slots where they lie (an op in the graph); where that kernel is not built, the graph gathers the slots and runs SDPA
 (unmasked at batch 1, where every key is the request's own). Lower-precision intermediates are
 rounded where eager rounds them (emulate_precision_casts): the default model's quantized bfloat16 step at batch 1
 gives eager's logits bit for bit; a dense one-row matmul, which inductor sums in its own order, differs by rounding
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import paged_decode
+from .attention import paged_attention
 from .attention.base import ForwardBatch
 from .cache.memory_pool import TokenToKVPool
 from .cuda_graph_runner import MOE_REASON, one_token_each
@@ -42,19 +42,19 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True}
 @dataclass
 class DecodePlan:
     """What a compiled step reads of a decode batch's requests: KV slots padded to the longest (padding at slot 0,
-    never handed out), each request's length, and, where the graph gathers for SDPA above batch 1, which slots
-    are real."""
+    never handed out), the kernel's spans (paged_attention.PagedTable) and, where the graph gathers for SDPA
+    above batch 1, which slots are real."""
 
     kv_index: torch.Tensor  # [B, L]
-    seq_lens: torch.Tensor  # [B] int64
+    spans: torch.Tensor  # [3, B] int64
     key_valid: torch.Tensor | None  # [B, 1, 1, L] bool; None where the kernel reads the pool, or at batch 1
 
 
 @torch.compiler.assume_constant_result  # traced as the constant it is (graph_key holds the kernel's presence)
 def uses_paged_kernel(model, kv_dtype: torch.dtype) -> bool:
-    """Whether the model's graphs attend through paged_decode's kernel (fixed when they are traced)."""
+    """Whether the model's graphs attend through paged_attention's kernel (fixed when they are traced)."""
     attn = model.model.layers[0].self_attn
-    return paged_decode.supports(attn.num_heads, attn.num_kv_heads, attn.head_dim, kv_dtype)
+    return paged_attention.supports(attn.num_heads, attn.num_kv_heads, attn.head_dim, kv_dtype)
 
 
 def plan_decode(forward: ForwardBatch, paged: bool) -> DecodePlan:
@@ -62,16 +62,17 @@ def plan_decode(forward: ForwardBatch, paged: bool) -> DecodePlan:
     seq_lens = forward.seq_lens
     longest = int(seq_lens.max())
     table = forward.req_to_token_pool.req_to_token[forward.req_pool_indices, :longest]
-    lens = seq_lens.to(torch.int64)
+    one_each = torch.arange(forward.batch_size)
+    spans = paged_attention.spans(one_each, torch.ones_like(one_each), seq_lens - 1)
     if paged or forward.batch_size == 1:
-        return DecodePlan(table, lens, None)  # indexing by a tensor copied the rows already
+        return DecodePlan(table, spans, None)  # indexing by a tensor copied the rows already
     valid = torch.arange(longest)[None, :] < seq_lens[:, None]
-    return DecodePlan(torch.where(valid, table, torch.zeros_like(table)), lens, valid[:, None, None, :])
+    return DecodePlan(torch.where(valid, table, torch.zeros_like(table)), spans, valid[:, None, None, :])
 
 
 class PoolDecodeAttention:
     """The attention backend a compiled step traces: writes each layer's new K/V, then attends through
-    paged_decode's op where it is built for the model (uses_paged_kernel), else gathers the planned slots for
+    paged_attention's op where it is built for the model (uses_paged_kernel), else gathers the planned slots for
     SDPA, with queries grouped under their KV head (one query per request), as torch_native does."""
 
     def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor], out_cache_loc: torch.Tensor,
@@ -85,7 +86,7 @@ class PoolDecodeAttention:
         k_buffer.index_copy_(0, self.out_cache_loc, k)
         v_buffer.index_copy_(0, self.out_cache_loc, v)
         if self.paged:
-            out = paged_decode.attention_op(q, k_buffer, v_buffer, self.plan.kv_index, self.plan.seq_lens, scaling)
+            out = paged_attention.attention_op(q, k_buffer, v_buffer, self.plan.kv_index, self.plan.spans, scaling)
             return out.reshape(q.shape[0], -1)
         bsz, length = self.plan.kv_index.shape
         num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
@@ -113,12 +114,12 @@ def compilable(model) -> str | None:
 
 
 def decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-                kv_index: torch.Tensor, seq_lens: torch.Tensor, key_valid: torch.Tensor | None,
+                kv_index: torch.Tensor, spans: torch.Tensor, key_valid: torch.Tensor | None,
                 k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> torch.Tensor:
     """The traced step: logits [B, vocab] of one token per request. The model is an argument, so a saved graph
     holds no weights: it reads them from the model it is called with, also after weight updates. Attention goes
-    through paged_decode's kernel where it is built for the model's shape (uses_paged_kernel)."""
-    plan = DecodePlan(kv_index, seq_lens, key_valid)
+    through paged_attention's kernel where it is built for the model's shape (uses_paged_kernel)."""
+    plan = DecodePlan(kv_index, spans, key_valid)
     attn = PoolDecodeAttention(k_buffers, v_buffers, out_cache_loc, plan,
                                uses_paged_kernel(model, k_buffers[0].dtype))
     return model.logits(model.hidden(model.embed_ids(input_ids), positions, attn))
@@ -135,20 +136,21 @@ def example_inputs(bs: int, kv_pool: TokenToKVPool, paged: bool) -> tuple:
     """A decode step of bs requests over KV slot 0 (never handed out), for tracing. The context length is
     dynamic, so the graph serves every length, and so is the pool's size, which follows free memory and so
     differs from start to start; above batch 1 the batch size is dynamic too. paged: the graph attends through
-    paged_decode's kernel (no key mask)."""
+    paged_attention's kernel (no key mask)."""
     kv_index = torch.zeros(bs, 2, dtype=torch.long)
     key_valid = None if bs == 1 or paged else torch.ones(bs, 1, 1, 2, dtype=torch.bool)
     per_request = [torch.zeros(bs, dtype=torch.long) for _ in range(3)]  # ids, positions, KV slots
-    seq_lens = torch.full((bs,), 2, dtype=torch.long)
+    spans = paged_attention.spans(torch.arange(bs), torch.ones(bs, dtype=torch.long), torch.ones(bs, dtype=torch.long))
     torch._dynamo.mark_dynamic(kv_index, 1)
     for buffer in (*kv_pool.k_buffer, *kv_pool.v_buffer):
         torch._dynamo.mark_dynamic(buffer, 0)
     if bs > 1:
         if key_valid is not None:
             torch._dynamo.mark_dynamic(key_valid, 3)
-        for tensor in (kv_index, seq_lens, *per_request, *([key_valid] if key_valid is not None else [])):
+        torch._dynamo.mark_dynamic(spans, 1)
+        for tensor in (kv_index, *per_request, *([key_valid] if key_valid is not None else [])):
             torch._dynamo.mark_dynamic(tensor, 0)
-    return (*per_request, kv_index, seq_lens, key_valid, kv_pool.k_buffer, kv_pool.v_buffer)
+    return (*per_request, kv_index, spans, key_valid, kv_pool.k_buffer, kv_pool.v_buffer)
 
 
 def compile_graph(model, kv_pool: TokenToKVPool, bs: int):
@@ -196,7 +198,7 @@ class CompiledDecode:
         with torch.inference_mode():
             return self.step(forward.batch_size)(
                 self.model, forward.input_ids, forward.positions, forward.out_cache_loc, plan.kv_index,
-                plan.seq_lens, plan.key_valid, self.kv_pool.k_buffer, self.kv_pool.v_buffer)
+                plan.spans, plan.key_valid, self.kv_pool.k_buffer, self.kv_pool.v_buffer)
 
     def step(self, bs: int):
         """The graph of bs's size class: the one of the largest smallest size not above it."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import paged_decode
+from . import paged_attention
 from .base import ForwardBatch, ModelAttention
 from .cascade import MIN_SHARED_TOKENS, attend_with_lse, merge, shared_prefix_len
 
@@ -115,20 +115,20 @@ def plan_buckets(seq_lens: list[int], extend_lens: list[int]) -> list[list[int]]
 
 
 class TorchNativeAttention:
-    """On a CPU, decode batches of a model paged_decode serves read the KV pool through its kernel (no gather);
-    everything else is bucketed as the module's docstring says."""
+    """On a CPU, the batches of a model paged_attention serves read the KV pool through its kernel (no gather,
+    no padding); the others are bucketed as the module's docstring says."""
 
     uses_model = True  # select.make_attention_backend passes the model's attention shape
 
     def __init__(self, model: ModelAttention | None = None) -> None:
         self.batch: ForwardBatch | None = None
         self.buckets: list[Bucket] = []
-        self.table: paged_decode.DecodeTable | None = None
-        self.paged_decode = paged_decode.serves(model)
+        self.table: paged_attention.PagedTable | None = None
+        self.paged = paged_attention.serves(model)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if self.paged_decode and batch.device.type == "cpu" and int(batch.extend_lens.max()) == 1:
-            batch.attn_metadata = paged_decode.decode_table(batch)
+        if self.paged and batch.device.type == "cpu":
+            batch.attn_metadata = paged_attention.paged_table(batch)
             return
         starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
         groups = plan_all_buckets(batch)
@@ -139,7 +139,7 @@ class TorchNativeAttention:
         assert batch.attn_metadata is not None, "init_forward_metadata must run before the forward"
         self.batch = batch
         planned = batch.attn_metadata
-        self.table = planned if isinstance(planned, paged_decode.DecodeTable) else None
+        self.table = planned if isinstance(planned, paged_attention.PagedTable) else None
         self.buckets = [] if self.table is not None else planned
 
     @staticmethod
@@ -181,8 +181,8 @@ class TorchNativeAttention:
         batch.token_to_kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if self.table is not None:
             pool = batch.token_to_kv_pool
-            out = paged_decode.attention(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], self.table.kv_index,
-                                         self.table.seq_lens, scaling)
+            out = paged_attention.attention(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+                                            self.table.kv_index, self.table.spans, scaling)
             return out.view(q.shape[0], -1)
         if len(self.buckets) == 1:
             return self._attend(self.buckets[0], q, layer_id, scaling, sliding_window, logit_cap)

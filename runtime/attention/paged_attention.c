@@ -1,0 +1,273 @@
+/* Attention read straight from the paged KV pool, for decode and prefill batches alike: token i of request b's new
+ * tokens (at position prefix_lens[b] + i) attends to its row of the slot table up to and including its own slot,
+ * without first gathering those K/V rows into a padded block.
+ *
+ * A gather copies every request's keys and values once per layer and SDPA reads the copy again; at batch 32 with
+ * ~550-token contexts that is ~0.8 GB moved per decode step on the default model, more than its matmuls take; a
+ * prefill chunk's padded, masked SDPA computes every key against every query. Here each key and value row is read
+ * once per tile of queries, where it lies in the pool, and keys past a tile's last position are never read.
+ *
+ * A work item is a tile of a request's new tokens (up to MAX_ROWS query rows: tokens x query heads of a KV head)
+ * and some of its KV heads; the heads take each block of keys in turn, so a slot's row (all heads side by side)
+ * comes from memory once. Per head and block of BLOCK keys: scores (16 keys' dot products summed at once),
+ * causal masking per row, an online softmax (a running maximum and sum, the accumulated values rescaled when the
+ * maximum rises), then the block's values. Arithmetic is float32; a bfloat16 pool and queries are widened on load
+ * and the output rounded to nearest even, as torch rounds.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 64      /* keys scored before their values are read */
+#define MAX_GROUP 16  /* query heads per KV head */
+#define MAX_ROWS 48   /* query rows (tokens x query heads) a work item holds */
+#define MAX_TILE 16   /* tokens a prefill tile holds */
+#define MAX_DIM 256   /* head dimension, a multiple of LANES */
+#define LANES 16      /* floats in a vector: one AVX512 register, two AVX2 ones (the compiler splits it) */
+
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
+
+static inline vf load_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf load_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+static inline float hsum(vf v) {
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += v[l];
+    return sum;
+}
+
+/* The lane sums of 16 vectors as one vector (lane j: the sum of v[j]), in 15 shuffle-add steps where 16 separate
+ * sums would take ~16 dependent adds each: every round adds the low and high halves of each key's lanes, two
+ * vectors at a time, so keys keep their order while their lanes halve (16, 8, 4, 2, 1). */
+static inline vf sums16(vf v[16]) {
+    static const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    static const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    static const vi lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    static const vi hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    static const vi lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    static const vi hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    static const vi lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    static const vi hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vf eight[8], four[4], two[2];
+    for (int i = 0; i < 8; i++)
+        eight[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo8) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi8);
+    for (int i = 0; i < 4; i++)
+        four[i] = __builtin_shuffle(eight[2 * i], eight[2 * i + 1], lo4)
+                  + __builtin_shuffle(eight[2 * i], eight[2 * i + 1], hi4);
+    for (int i = 0; i < 2; i++)
+        two[i] = __builtin_shuffle(four[2 * i], four[2 * i + 1], lo2)
+                 + __builtin_shuffle(four[2 * i], four[2 * i + 1], hi2);
+    return __builtin_shuffle(two[0], two[1], lo1) + __builtin_shuffle(two[0], two[1], hi1);
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus the running maximum), LANES at once: x = n ln2 + r with |r| <= ln2 / 2,
+ * exp(r) by Cephes' degree-6 polynomial (relative error ~1e-7, float32's own rounding), 2^n put into the exponent
+ * bits. Below -87, exp leaves float32's normal range: 0. */
+static inline vf pick(vi mask, vf yes, vf no) { return (vf)((mask & (vi)yes) | (~mask & (vi)no)); }
+
+static inline vf exp_nonpositive(vf x) {
+    vi underflows = x < -87.0f;
+    vf clamped = pick(underflows, (vf){} - 87.0f, x);
+    vf n = __builtin_convertvector(__builtin_convertvector(clamped * 1.44269504f - 0.5f, vi), vf);
+    vf r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vf scale = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return pick(underflows, (vf){}, p * scale);
+}
+
+/* Row `row` of a [rows, dim] float32 or bfloat16 array as dim / LANES vectors. */
+static inline void load_row(const void *base, int64_t row, int chunks, int bf16, vf *out) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)base + row * chunks * LANES;
+        for (int c = 0; c < chunks; c++) out[c] = load_bf16(src + c * LANES);
+    } else {
+        const float *src = (const float *)base + row * chunks * LANES;
+        for (int c = 0; c < chunks; c++) out[c] = load_f32(src + c * LANES);
+    }
+}
+
+static inline void store_row(void *base, int64_t row, int chunks, int bf16, const vf *in) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)base + row * chunks * LANES;
+        for (int c = 0; c < chunks; c++)
+            for (int l = 0; l < LANES; l++) dst[c * LANES + l] = float_to_bf16(in[c][l]);
+    } else {
+        memcpy((float *)base + row * chunks * LANES, in, (size_t)chunks * sizeof(vf));
+    }
+}
+
+static inline int64_t checked(int64_t slot, int64_t pool_slots) {
+    return slot >= 0 && slot < pool_slots ? slot : 0; /* a bad slot reads the reserved slot 0, never past */
+}
+
+/* One KV head's query rows (tokens x group; row r = token r / group) over a block of `count` keys at slots, the
+ * block's first key at position `first_pos`; row r sees keys up to position last_pos[r / group]. */
+static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
+                         float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots, int count,
+                         int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
+                         int kv_heads, int group, int chunks, int bf16) {
+    float scores[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
+    vf row[MAX_DIM / LANES];
+    for (int first = 0; first < count; first += 16) {
+        vf products[MAX_ROWS][16]; /* per query row and key: the lanes of their dot product */
+        for (int j = 0; j < 16; j++) {
+            if (first + j >= count) {
+                for (int r = 0; r < rows; r++) products[r][j] = (vf){};
+                continue;
+            }
+            load_row(k_pool, checked(slots[first + j], pool_slots) * kv_heads + h, chunks, bf16, row);
+            for (int r = 0; r < rows; r++) {
+                vf dot = query[r][0] * row[0];
+                for (int c = 1; c < chunks; c++) dot += query[r][c] * row[c];
+                products[r][j] = dot;
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            vf sums = sums16(products[r]);
+            memcpy(&scores[r][first], &sums, sizeof sums);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        int64_t seen = last_pos[r / group] - first_pos + 1; /* keys of the block this row sees */
+        for (int j = seen < 0 ? 0 : (int)(seen < count ? seen : count); j < BLOCK; j++)
+            scores[r][j] = -3.0e38f; /* exp gives 0 */
+        float block_max = scores[r][0];
+        for (int j = 1; j < count; j++) block_max = scores[r][j] > block_max ? scores[r][j] : block_max;
+        float new_max = block_max > running_max[r] ? block_max : running_max[r];
+        float rescale = exp_nonpositive((vf){} + (running_max[r] - new_max))[0];
+        vf block_sum = {};
+        for (int j = 0; j < BLOCK; j += LANES) {
+            vf weights = exp_nonpositive(load_f32(&scores[r][j]) - new_max);
+            memcpy(&scores[r][j], &weights, sizeof weights);
+            block_sum += weights;
+        }
+        running_sum[r] = running_sum[r] * rescale + hsum(block_sum);
+        running_max[r] = new_max;
+        for (int c = 0; c < chunks; c++) acc[r][c] *= rescale;
+    }
+    for (int j = 0; j < count; j++) {
+        load_row(v_pool, checked(slots[j], pool_slots) * kv_heads + h, chunks, bf16, row);
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < chunks; c++) acc[r][c] += scores[r][j] * row[c];
+    }
+}
+
+/* What one work item covers: `tokens` new tokens of request b from its token `first` on, KV heads h0 .. h0+n-1. */
+typedef struct {
+    int b, first, tokens, h0, n;
+} Item;
+
+/* An item's queries (token t's row of q is start + first + t) against the request's slots up to each token's own
+ * position (prefix + first + t). */
+static void attend_item(Item it, const void *q, const void *k_pool, const void *v_pool, const int64_t *slots,
+                        int64_t start, int64_t prefix, int64_t pool_slots, int heads, int kv_heads, int group,
+                        int chunks, float scale, int bf16, void *out) {
+    vf query[MAX_ROWS][MAX_DIM / LANES], acc[MAX_ROWS][MAX_DIM / LANES];
+    float running_max[MAX_ROWS], running_sum[MAX_ROWS];
+    int64_t last_pos[MAX_TILE];
+    int rows = it.tokens * group;
+    for (int t = 0; t < it.tokens; t++) last_pos[t] = prefix + it.first + t;
+    for (int k = 0; k < it.n; k++) {
+        vf (*qs)[MAX_DIM / LANES] = query + k * rows;
+        for (int r = 0; r < rows; r++) { /* row r: token r / group, query head (h0 + k) * group + r % group */
+            int64_t token = start + it.first + r / group;
+            load_row(q, token * heads + (it.h0 + k) * group + r % group, chunks, bf16, qs[r]);
+            for (int c = 0; c < chunks; c++) {
+                qs[r][c] *= scale;
+                acc[k * rows + r][c] = (vf){};
+            }
+            running_max[k * rows + r] = -3.0e38f;
+            running_sum[k * rows + r] = 0.0f;
+        }
+    }
+    int64_t len = last_pos[it.tokens - 1] + 1; /* keys the item's last token sees */
+    for (int64_t key = 0; key < len; key += BLOCK) {
+        int count = len - key < BLOCK ? (int)(len - key) : BLOCK;
+        for (int k = 0; k < it.n; k++) {
+            int at = k * rows;
+            attend_block(query + at, acc + at, running_max + at, running_sum + at, k_pool, v_pool, slots + key,
+                         count, key, last_pos, rows, pool_slots, it.h0 + k, kv_heads, group, chunks, bf16);
+        }
+    }
+    for (int k = 0; k < it.n; k++)
+        for (int r = 0; r < rows; r++) {
+            int i = k * rows + r;
+            float inverse = running_sum[i] > 0.0f ? 1.0f / running_sum[i] : 0.0f;
+            for (int c = 0; c < chunks; c++) acc[i][c] *= inverse;
+            int64_t token = start + it.first + r / group;
+            store_row(out, token * heads + (it.h0 + k) * group + r % group, chunks, bf16, acc[i]);
+        }
+}
+
+/* The items of a batch: each request's new tokens in tiles, each tile with as many KV heads as MAX_ROWS rows
+ * allow, but one KV head an item where fewer than two items a thread would come of it (a small decode batch),
+ * so that every thread has work. Returns how many were written into items (room for max_items). */
+static int plan_items(const int64_t *q_counts, int batch, int kv_heads, int group, int threads, Item *items,
+                      int max_items) {
+    int tile = MAX_ROWS / group < MAX_TILE ? MAX_ROWS / group : MAX_TILE, tiles = 0;
+    for (int b = 0; b < batch; b++) tiles += (int)((q_counts[b] + tile - 1) / tile);
+    int per_item = tiles >= 2 * threads ? kv_heads : 1, count = 0;
+    for (int b = 0; b < batch; b++)
+        for (int first = 0; first < q_counts[b]; first += tile) {
+            int tokens = q_counts[b] - first < tile ? (int)(q_counts[b] - first) : tile;
+            int heads_fit = MAX_ROWS / (tokens * group), n = per_item < heads_fit ? per_item : heads_fit;
+            for (int h0 = 0; h0 < kv_heads && count < max_items; h0 += n)
+                items[count++] = (Item){b, first, tokens, h0, kv_heads - h0 < n ? kv_heads - h0 : n};
+        }
+    return count;
+}
+
+/* q and out [tokens, heads, dim]; spans [3, batch]: request b's new tokens are rows spans[0][b] ..
+ * spans[0][b] + spans[1][b] - 1 of q, after spans[2][b] cached ones; k_pool and v_pool [pool_slots, kv_heads,
+ * dim]; slots [batch, table_len]: row b holds request b's KV slots in position order, its new tokens' own included
+ * (written before this runs). All float32, or all bfloat16 when bf16. Returns 0; -1 for shapes beyond this file's
+ * limits, -2 for spans past the table, -3 when out of memory (nothing is computed then). */
+int paged_attention(const void *q, const void *k_pool, const void *v_pool, int64_t pool_slots, const int64_t *slots,
+                    int64_t table_len, const int64_t *spans, int batch, int heads, int kv_heads, int dim, float scale,
+                    int bf16, void *out, int threads) {
+    if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || dim > MAX_DIM || dim <= 0
+        || dim % LANES)
+        return -1;
+    const int64_t *q_starts = spans, *q_counts = spans + batch, *prefix_lens = spans + 2 * (int64_t)batch;
+    int64_t most = 0;
+    for (int b = 0; b < batch; b++) {
+        if (q_counts[b] < 1 || prefix_lens[b] < 0 || prefix_lens[b] + q_counts[b] > table_len) return -2;
+        most += q_counts[b] * kv_heads; /* an item has a token and a head at least */
+    }
+    int group = heads / kv_heads, chunks = dim / LANES;
+    Item *items = malloc((size_t)most * sizeof(Item));
+    if (items == NULL && most > 0) return -3;
+    int count = plan_items(q_counts, batch, kv_heads, group, threads, items, (int)most);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int i = 0; i < count; i++) {
+        Item it = items[i];
+        attend_item(it, q, k_pool, v_pool, slots + (int64_t)it.b * table_len, q_starts[it.b], prefix_lens[it.b],
+                    pool_slots, heads, kv_heads, group, chunks, scale, bf16, out);
+    }
+    free(items);
+    return 0;
+}

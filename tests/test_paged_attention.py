@@ -1,0 +1,119 @@
+"""The paged attention kernel (paged_attention.c) against SDPA over gathered K/V, for decode and prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from furcate.runtime.attention import paged_attention
+from furcate.runtime.attention.base import ModelAttention
+
+pytestmark = pytest.mark.skipif(not paged_attention.available(), reason=f"kernel: {paged_attention.library()}")
+
+POOL = 3000
+
+
+def reference(q, k_pool, v_pool, kv_index, spans, scale):
+    """Causal SDPA in float32 over each request's gathered slots, query heads grouped under their KV head."""
+    heads, dim = q.shape[1:]
+    kv_heads = k_pool.shape[1]
+    out = torch.empty(q.shape)
+    for b, (first, count, cached) in enumerate(spans.t().tolist()):
+        slots = kv_index[b, : cached + count]
+        keys, values = (pool[slots].transpose(0, 1).float() for pool in (k_pool, v_pool))  # [Hkv, S, D]
+        queries = q[first : first + count].float().view(count, kv_heads, heads // kv_heads, dim)
+        queries = queries.permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)  # rows: (group, token)
+        sees = torch.arange(cached + count)[None, :] <= (cached + torch.arange(count))[:, None]
+        mask = sees.repeat(heads // kv_heads, 1)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        out[first : first + count] = attended.view(kv_heads, heads // kv_heads, count, dim).permute(2, 0, 1, 3) \
+            .reshape(count, heads, dim)
+    return out
+
+
+def case(new_tokens, cached, heads, kv_heads, dim, dtype, query_scale=1.0, seed=0):
+    """Requests with these new and cached token counts, their slots spread over a random pool."""
+    generator = torch.Generator().manual_seed(seed)
+    k_pool, v_pool = (torch.randn(POOL, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
+    q = (torch.randn(sum(new_tokens), heads, dim, generator=generator) * query_scale).to(dtype)
+    length = max(n + c for n, c in zip(new_tokens, cached)) + 3  # a padded table, as the engine plans it
+    kv_index = torch.randint(1, POOL, (len(new_tokens), length), generator=generator)
+    counts = torch.tensor(new_tokens)
+    spans = paged_attention.spans(torch.cumsum(counts, 0) - counts, counts, torch.tensor(cached))
+    return q, k_pool, v_pool, kv_index, spans
+
+
+def decode(batch, context, seed=0):
+    """A decode batch: one new token a request, after context - 1 cached (request 0's is the longest)."""
+    contexts = torch.randint(1, context + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+    contexts[0] = context
+    return [1] * batch, (contexts - 1).tolist()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("new_tokens, cached, heads, kv_heads, dim", [
+    (*decode(1, 1), 9, 3, 64),  # one key
+    (*decode(1, 64), 9, 3, 64), (*decode(2, 65), 9, 3, 64),  # a block exactly, and one key past it
+    (*decode(32, 300), 9, 3, 64),  # the default model's shape at a serving batch
+    (*decode(3, 200), 32, 8, 128), (*decode(2, 130), 16, 1, 256), (*decode(4, 70), 4, 4, 16),
+    (*decode(8, 40), 128, 16, 16),  # more query rows than a work item holds: two items a request
+    ([100], [0], 9, 3, 64),  # a prompt's prefill: causal within it
+    ([37, 5, 16, 1], [0, 130, 64, 7], 9, 3, 64),  # prefills after cached prefixes, beside a decode
+    ([20, 3], [10, 0], 32, 2, 32),  # 16 queries per KV head: tiles of 3 tokens
+])
+def test_matches_causal_sdpa_over_gathered_keys(new_tokens, cached, heads, kv_heads, dim, dtype, tolerance):
+    q, k_pool, v_pool, kv_index, spans = case(new_tokens, cached, heads, kv_heads, dim, dtype)
+    out = paged_attention.attention(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5),
+                               rtol=tolerance, atol=tolerance)
+
+
+def test_large_scores_stay_finite():
+    """Scores in the hundreds: the running maximum keeps every exponential in range (a score's last bit, ~3e-5
+    there, moves the weights more than at ordinary scale: a looser tolerance)."""
+    q, k_pool, v_pool, kv_index, spans = case([1, 1, 40], [499, 200, 60], 8, 2, 64, torch.float32,
+                                              query_scale=400.0)
+    out = paged_attention.attention(q, k_pool, v_pool, kv_index, spans, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(q, k_pool, v_pool, kv_index, spans, 0.125), rtol=1e-3, atol=1e-3)
+
+
+def test_slots_outside_the_pool_read_slot_zero():
+    """A corrupt slot table never reads past the pool: such slots read the reserved slot 0."""
+    q, k_pool, v_pool, kv_index, spans = case([1, 4], [9, 5], 4, 2, 16, torch.float32)
+    bad = kv_index.clone()
+    bad[0, 3], bad[1, 0] = POOL + 10**9, -5
+    fixed = bad.clone()
+    fixed[0, 3], fixed[1, 0] = 0, 0
+    torch.testing.assert_close(paged_attention.attention(q, k_pool, v_pool, bad, spans, 0.25),
+                               paged_attention.attention(q, k_pool, v_pool, fixed, spans, 0.25))
+
+
+def test_spans_past_the_table_are_refused():
+    q, k_pool, v_pool, kv_index, spans = case([2, 3], [4, 1], 4, 2, 16, torch.float32)
+    for row, value in ((2, kv_index.shape[1]), (1, 0), (2, -1)):  # cached past the table; no new tokens; < 0
+        wrong = spans.clone()
+        wrong[row, 1] = value
+        with pytest.raises(ValueError, match="past its slot table"):
+            paged_attention.attention(q, k_pool, v_pool, kv_index, wrong, 0.25)
+
+
+def test_shapes_beyond_its_limits_are_refused():
+    q, k_pool, v_pool, kv_index, spans = case([1], [4], 4, 2, 24, torch.float32)  # 24: not a multiple of 16
+    assert not paged_attention.supports(4, 2, 24, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        paged_attention.attention(q, k_pool, v_pool, kv_index, spans, 0.2)
+    assert not paged_attention.supports(34, 2, 64, torch.float32)  # 17 query heads per KV head
+    assert not paged_attention.supports(4, 2, 64, torch.float16)
+
+
+@pytest.mark.parametrize("change, serves", [
+    ({}, True), ({"windows": frozenset({None, 4096})}, False), ({"logit_cap": 50.0}, False),
+    ({"num_kv_heads": None}, False), ({"head_dim": 24}, False),
+])
+def test_models_it_serves(change, serves):
+    shape = dict(num_heads=8, head_dim=64, scaling=0.125, dtype=torch.float32, num_kv_heads=2)
+    assert paged_attention.serves(ModelAttention(**{**shape, **change})) is serves
+    assert not paged_attention.serves(None)

@@ -124,56 +124,91 @@ static inline int64_t checked(int64_t slot, int64_t pool_slots) {
     return slot >= 0 && slot < pool_slots ? slot : 0; /* a bad slot reads the reserved slot 0, never past */
 }
 
-/* One KV head's query rows (tokens x group; row r = token r / group) over a block of `count` keys at slots, the
- * block's first key at position `first_pos`; row r sees keys up to position last_pos[r / group]. */
-static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
-                         float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots, int count,
-                         int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
-                         int kv_heads, int group, int chunks, int bf16) {
-    float scores[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
-    vf row[MAX_DIM / LANES];
+/* Row r's scores against the block's first `count` keys (rounded up to 16; the keys past count are zeros), its
+ * query in registers: 16 keys' dot products at a time, their lanes summed at once. */
+static inline __attribute__((always_inline)) void row_scores(const vf *query, int chunks, int count,
+                                                             const vf *keys, float *scores) {
+    vf q[MAX_DIM / LANES];
+    for (int c = 0; c < chunks; c++) q[c] = query[c];
     for (int first = 0; first < count; first += 16) {
-        vf products[MAX_ROWS][16]; /* per query row and key: the lanes of their dot product */
+        vf products[16];
         for (int j = 0; j < 16; j++) {
-            if (first + j >= count) {
-                for (int r = 0; r < rows; r++) products[r][j] = (vf){};
-                continue;
-            }
-            load_row(k_pool, checked(slots[first + j], pool_slots) * kv_heads + h, chunks, bf16, row);
-            for (int r = 0; r < rows; r++) {
-                vf dot = query[r][0] * row[0];
-                for (int c = 1; c < chunks; c++) dot += query[r][c] * row[c];
-                products[r][j] = dot;
-            }
+            const vf *key = keys + (first + j) * chunks;
+            vf dot = q[0] * key[0];
+            for (int c = 1; c < chunks; c++) dot += q[c] * key[c];
+            products[j] = dot;
         }
-        for (int r = 0; r < rows; r++) {
-            vf sums = sums16(products[r]);
-            memcpy(&scores[r][first], &sums, sizeof sums);
-        }
+        vf sums = sums16(products);
+        memcpy(&scores[first], &sums, sizeof sums);
     }
+}
+
+/* acc += the weighted sum of the block's first `count` values, the accumulator in registers. */
+static inline __attribute__((always_inline)) void row_values(vf *acc, int chunks, int count, const vf *values,
+                                                             const float *weights) {
+    vf sum[MAX_DIM / LANES];
+    for (int c = 0; c < chunks; c++) sum[c] = acc[c];
+    for (int j = 0; j < count; j++)
+        for (int c = 0; c < chunks; c++) sum[c] += weights[j] * values[j * chunks + c];
+    for (int c = 0; c < chunks; c++) acc[c] = sum[c];
+}
+
+/* One KV head's query rows (tokens x group; row r = token r / group) over a block of `count` keys at slots, the
+ * block's first key at position `first_pos`; row r sees keys up to position last_pos[r / group]. The block's
+ * keys and values are widened once into float buffers, then each row runs over them with its query and
+ * accumulator in registers. Inlined per head size (row_chunks), so that those loops have constant bounds. */
+static inline __attribute__((always_inline)) void attend_block_sized(
+    vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
+    const void *k_pool, const void *v_pool, const int64_t *slots, int count, int64_t first_pos,
+    const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, int bf16) {
+    vf keys[BLOCK * chunks], values[BLOCK * chunks];
+    float weights[BLOCK] __attribute__((aligned(64)));
+    int padded = (count + 15) & ~15;
+    for (int j = 0; j < count; j++) {
+        int64_t slot = checked(slots[j], pool_slots) * kv_heads + h;
+        load_row(k_pool, slot, chunks, bf16, keys + j * chunks);
+        load_row(v_pool, slot, chunks, bf16, values + j * chunks);
+    }
+    for (int j = count * chunks; j < padded * chunks; j++) keys[j] = (vf){};
     for (int r = 0; r < rows; r++) {
         int64_t seen = last_pos[r / group] - first_pos + 1; /* keys of the block this row sees */
-        for (int j = seen < 0 ? 0 : (int)(seen < count ? seen : count); j < BLOCK; j++)
-            scores[r][j] = -3.0e38f; /* exp gives 0 */
-        float block_max = scores[r][0];
-        for (int j = 1; j < count; j++) block_max = scores[r][j] > block_max ? scores[r][j] : block_max;
+        int visible = seen < count ? (int)seen : count;
+        if (visible <= 0) continue; /* a later token's keys only: nothing changes */
+        row_scores(query[r], chunks, visible, keys, weights);
+        float block_max = weights[0];
+        for (int j = 1; j < visible; j++) block_max = weights[j] > block_max ? weights[j] : block_max;
         float new_max = block_max > running_max[r] ? block_max : running_max[r];
         float rescale = exp_nonpositive((vf){} + (running_max[r] - new_max))[0];
+        for (int j = visible; j < ((visible + 15) & ~15); j++) weights[j] = -3.0e38f; /* exp gives 0 */
         vf block_sum = {};
-        for (int j = 0; j < BLOCK; j += LANES) {
-            vf weights = exp_nonpositive(load_f32(&scores[r][j]) - new_max);
-            memcpy(&scores[r][j], &weights, sizeof weights);
-            block_sum += weights;
+        for (int j = 0; j < visible; j += LANES) {
+            vf w = exp_nonpositive(load_f32(&weights[j]) - new_max);
+            memcpy(&weights[j], &w, sizeof w);
+            block_sum += w;
         }
         running_sum[r] = running_sum[r] * rescale + hsum(block_sum);
         running_max[r] = new_max;
         for (int c = 0; c < chunks; c++) acc[r][c] *= rescale;
+        row_values(acc[r], chunks, visible, values, weights);
     }
-    for (int j = 0; j < count; j++) {
-        load_row(v_pool, checked(slots[j], pool_slots) * kv_heads + h, chunks, bf16, row);
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < chunks; c++) acc[r][c] += scores[r][j] * row[c];
+}
+
+static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
+                         float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots, int count,
+                         int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
+                         int kv_heads, int group, int chunks, int bf16) {
+#define SIZED(n)                                                                                              \
+    attend_block_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, first_pos, last_pos, \
+                       rows, pool_slots, h, kv_heads, group, n, bf16)
+    switch (chunks) { /* head_dim 16, 32, 64, 128, 256; others with a variable bound */
+    case 1: SIZED(1); break;
+    case 2: SIZED(2); break;
+    case 4: SIZED(4); break;
+    case 8: SIZED(8); break;
+    case 16: SIZED(16); break;
+    default: SIZED(chunks);
     }
+#undef SIZED
 }
 
 /* What one work item covers: `tokens` new tokens of request b from its token `first` on, KV heads h0 .. h0+n-1. */

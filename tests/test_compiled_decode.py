@@ -13,7 +13,7 @@ from furcate.runtime.model.default_model import find_default_gguf, prepare_user_
 from test_greedy_matches_hf import generate_staggered, make_prompts
 from tiny_gguf import build_tiny_gguf
 
-BF16_NOISE = 0.15  # logprob differences bfloat16's rounding makes between two summation orders here
+BF16_NOISE = 0.15  # logprob differences bfloat16 makes between the two paths here
 COMPILED = {"enable_torch_compile": True, "torch_num_threads": 2, **NO_GRAMMAR}
 
 
@@ -54,7 +54,7 @@ def test_compiled_bfloat16_decode_stays_with_eager(tmp_path, private_cache):
         assert engines[0].get_stats()["compiled_forward_calls"] == 0
     ids = [o["output_ids"] for o in outputs]
     same = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), len(ids[0]))
-    assert same >= 4
+    assert same >= 8
     logprobs = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"][:same]] for o in outputs]
     assert max(abs(a - b) for a, b in zip(*logprobs)) < BF16_NOISE
     if same < len(ids[0]):  # where the two part, eager's top two were within that noise: a near tie
@@ -130,7 +130,8 @@ def test_the_compiled_step_serves_any_pool_size(tiny_model_dirs):
         for pool in pools:
             for buffer in (*pool.k_buffer, *pool.v_buffer):
                 buffer[1:3] = 0.5
-            logits.append(graph(model, ids, positions, slots, torch.tensor([[1, 2, 3]]), torch.tensor([3]), None,
+            spans = torch.tensor([[0], [1], [2]])  # the one request's token: row 0 of the batch, 2 cached before
+            logits.append(graph(model, ids, positions, slots, torch.tensor([[1, 2, 3]]), spans, None,
                                 pool.k_buffer, pool.v_buffer))
     torch.testing.assert_close(logits[0], logits[1])
     assert pools[1].k_buffer[0][3].abs().sum() > 0  # the step wrote its key into the pool it was given

@@ -13,6 +13,7 @@ import torch
 
 from conftest import EXACT, NO_GRAMMAR
 from furcate import Engine
+from furcate.runtime.attention import paged_attention
 from furcate.runtime.cache.memory_pool import TokenToKVPool
 from furcate.runtime.compiled_decode import compile_graphs, decode_step, uses_paged_kernel
 from furcate.runtime.graph_builder import LOCK, BuildSpec, build, build_lock
@@ -38,8 +39,8 @@ def decode_inputs(model, bs: int, length: int, pool: TokenToKVPool) -> tuple:
     key_valid = None if bs == 1 or paged else torch.ones(bs, 1, 1, length, dtype=torch.bool)
     ids, positions = torch.arange(100, 100 + bs), torch.full((bs,), length - 1)
     slots = kv_index[:, -1] + 0  # each request's newest token: its own KV slot
-    seq_lens = torch.full((bs,), length)
-    return ids, positions, slots, kv_index, seq_lens, key_valid, pool.k_buffer, pool.v_buffer
+    spans = paged_attention.spans(torch.arange(bs), torch.ones(bs, dtype=torch.long), torch.full((bs,), length - 1))
+    return ids, positions, slots, kv_index, spans, key_valid, pool.k_buffer, pool.v_buffer
 
 
 def test_saved_graphs_load_and_compute_what_eager_decode_does(tiny_model_dirs, private_cache):

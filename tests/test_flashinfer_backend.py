@@ -288,7 +288,7 @@ def test_the_runner_describes_each_layers_window():
         decoder = DecoderForCausalLM(CONFIGS[arch](), FAMILIES[family])
         shape = model_attention(decoder, torch.bfloat16)
         assert shape == ModelAttention(num_heads=4, head_dim=16, scaling=16**-0.5, dtype=torch.bfloat16,
-                                       windows=frozenset(windows))
+                                       windows=frozenset(windows), num_kv_heads=2)
 
 
 # -- where flashinfer is installed (any machine): our calls against the real package ---------------------------------

@@ -59,14 +59,11 @@ def uses_paged_kernel(model, kv_dtype: torch.dtype) -> bool:
 
 def plan_decode(forward: ForwardBatch, paged: bool) -> DecodePlan:
     """Reads the request table: on the scheduler thread (prepare), as the eager backends plan."""
-    seq_lens = forward.seq_lens
-    longest = int(seq_lens.max())
-    table = forward.req_to_token_pool.req_to_token[forward.req_pool_indices, :longest]
-    one_each = torch.arange(forward.batch_size)
-    spans = paged_attention.spans(one_each, torch.ones_like(one_each), seq_lens - 1)
+    planned = paged_attention.paged_table(forward)  # a decode batch: one new token after seq_len - 1 cached
+    table, spans = planned.kv_index, planned.spans
     if paged or forward.batch_size == 1:
         return DecodePlan(table, spans, None)  # indexing by a tensor copied the rows already
-    valid = torch.arange(longest)[None, :] < seq_lens[:, None]
+    valid = torch.arange(table.shape[1])[None, :] < forward.seq_lens[:, None]
     return DecodePlan(torch.where(valid, table, torch.zeros_like(table)), spans, valid[:, None, None, :])
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from ..attention.base import AttentionBackend
 from ..distributed.parallel_state import SINGLE, TensorParallel
 from ..distributed.tp_layers import row_linear
+from . import fused_elementwise
 from .rotary import CosSin, apply_rotary
 
 # The activations our families name, as HF's ACT2FN computes them. Importing transformers.activations pulls in
@@ -44,9 +45,17 @@ class RMSNorm(nn.Module):
         self.eps, self.style = eps, style
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuses(x):
+            return fused_elementwise.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
         return self.scale(x * torch.rsqrt(self.mean_square(x) + self.eps), dtype)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether the fused kernel computes this norm: float32 rows in the Llama and OLMo styles (the same
+        products in float32; Gemma's weight is an offset)."""
+        return (self.style != "gemma" and x.is_contiguous() and self.weight.dtype == torch.float32
+                and fused_elementwise.serves(x))
 
     def mean_square(self, x: torch.Tensor) -> torch.Tensor:
         return x.pow(2).mean(-1, keepdim=True)
@@ -66,6 +75,9 @@ class ShardedRMSNorm(RMSNorm):
     def __init__(self, full_size: int, eps: float, style: str, tp: TensorParallel) -> None:
         super().__init__(tp.shard(full_size), eps, style)
         self.full_size = full_size
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        return False  # the kernel's mean square sees this rank's columns only
 
     def mean_square(self, x: torch.Tensor) -> torch.Tensor:
         squares = x.pow(2).sum(-1, keepdim=True)
@@ -92,7 +104,10 @@ class GatedMLP(nn.Module):
         self.act = activation(activation_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and gate_up.dim() == 2 and gate_up.is_contiguous() and fused_elementwise.serves(gate_up):
+            return self.down_proj(fused_elementwise.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -149,6 +164,9 @@ class Attention(nn.Module):
         """q [T, heads, head_dim], k and v [T, KV heads, head_dim] of the fused projection, q and k rotated."""
         if self.q_norm is not None or self.clip_qkv is not None:
             return self.normed_rotated(qkv, rotary)
+        if rotary is not None and fuses_rotary(qkv, rotary):
+            q, k = fused_elementwise.rotary_qk(qkv, *rotary, self.num_heads, self.num_kv_heads, self.head_dim)
+            return q, k, qkv[..., self.q_size + self.kv_size :].reshape(-1, self.num_kv_heads, self.head_dim)
         heads = self.num_heads + self.num_kv_heads
         # q and k side by side in the projection: one rotation over both heads' rows (a decode step's ops count).
         qk = qkv[..., : self.q_size + self.kv_size].reshape(-1, heads, self.head_dim)
@@ -173,6 +191,14 @@ class Attention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         return q, k, v
+
+
+def fuses_rotary(qkv: torch.Tensor, rotary: CosSin) -> bool:
+    """Whether the fused kernel rotates this projection: float32 rows [T, W] with unit column stride, and
+    cos_sin's tables for those T tokens."""
+    cos, signed_sin = rotary
+    return (qkv.dim() == 2 and qkv.stride(1) == 1 and cos.dtype == qkv.dtype and cos.shape[0] == qkv.shape[0]
+            and cos.is_contiguous() and signed_sin.is_contiguous() and fused_elementwise.serves(qkv))
 
 
 def qk_norms(config, spec: AttentionSpec, tp: TensorParallel) -> tuple[RMSNorm | None, RMSNorm | None]:

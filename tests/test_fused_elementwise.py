@@ -1,0 +1,88 @@
+"""The fused elementwise kernels (fused_elementwise.c) against the torch ops they replace in eager CPU float32
+forwards: rotary to torch's bits, the SiLU-gated product within a few ulps, RMSNorm within
+the rounding of a differently ordered sum."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from furcate.runtime.model import fused_elementwise
+from furcate.runtime.model.layers import GatedMLP, RMSNorm
+from furcate.runtime.model.rotary import apply_rotary
+
+pytestmark = pytest.mark.skipif(not fused_elementwise.available(),
+                                reason=f"kernels: {fused_elementwise.library()}")
+
+
+def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("rows, width", [(0, 576), (1, 576), (3, 17), (2048, 576), (5, 2048), (40, 1)])
+def test_rms_norm_equals_torchs_within_a_sums_rounding(rows, width):
+    generator = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, width, generator=generator) * 3
+    weight = torch.randn(width, generator=generator)
+    got = fused_elementwise.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, torch_norm(x, weight, 1e-5), rtol=2e-6, atol=1e-7)
+
+
+def test_rms_norm_keeps_huge_and_tiny_rows_finite():
+    x = torch.tensor([[3e18, -3e18, 1.0], [1e-30, 0.0, -1e-30], [0.0, 0.0, 0.0]])
+    got = fused_elementwise.rms_norm(x, torch.ones(3), 1e-6)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, torch_norm(x.double(), torch.ones(3).double(), 1e-6).float())
+
+
+@pytest.mark.parametrize("rows, inter", [(0, 8), (1, 1536), (7, 13), (2048, 1536)])
+def test_silu_mul_equals_torchs_within_ulps(rows, inter):
+    gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 4
+    gate, up = gate_up.split(inter, dim=-1)
+    torch.testing.assert_close(fused_elementwise.silu_mul(gate_up), F.silu(gate) * up, rtol=4e-7, atol=1e-30)
+
+
+def test_silu_mul_saturates_as_torch_does():
+    gate_up = torch.tensor([[-200.0, 200.0, 0.0, -88.8, 2.0, 2.0, 2.0, 2.0]])
+    gate, up = gate_up.split(4, dim=-1)
+    assert torch.equal(fused_elementwise.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("q_heads, k_heads, dim, rot", [(9, 3, 64, 64), (32, 8, 128, 128), (4, 4, 16, 16),
+                                                       (8, 2, 64, 32), (2, 1, 80, 40)])
+def test_rotary_equals_apply_rotary_bit_for_bit(q_heads, k_heads, dim, rot):
+    rows = 37
+    generator = torch.Generator().manual_seed(dim + rot)
+    qkv = torch.randn(rows, (q_heads + 2 * k_heads) * dim, generator=generator)  # v's columns follow q and k
+    angles = torch.randn(rows, 1, rot // 2, generator=generator) * 50
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)
+    q, k = fused_elementwise.rotary_qk(qkv, cos, signed_sin, q_heads, k_heads, dim)
+    qk = apply_rotary(qkv[:, : (q_heads + k_heads) * dim].reshape(rows, -1, dim), cos, signed_sin)
+    assert q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(q, qk[:, :q_heads]) and torch.equal(k, qk[:, q_heads:])
+
+
+def test_layers_take_the_kernels_only_where_they_serve():
+    norm = RMSNorm(8, 1e-6)
+    norm.weight.data = torch.randn(8)
+    x = torch.randn(5, 8)
+    assert fused_elementwise.serves(x) and not fused_elementwise.serves(x.bfloat16())
+    torch.testing.assert_close(norm(x), torch_norm(x, norm.weight.detach(), 1e-6), rtol=2e-6, atol=1e-7)
+    assert torch.equal(norm(x.bfloat16()), norm.weight * (x.bfloat16().float() * torch.rsqrt(
+        x.bfloat16().float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16())
+    mlp = GatedMLP(8, 12)
+    gate, up = mlp.gate_up_proj(x).split(12, dim=-1)
+    torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(gate) * up), rtol=1e-6, atol=1e-7)
+
+
+def test_turned_off_by_its_variable():
+    code = "from furcate.runtime.model import fused_elementwise as f; print(f.available(), f.library())"
+    env = {**os.environ, "FURCATE_FUSED_ELEMENTWISE": "0"}
+    shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == "False turned off by FURCATE_FUSED_ELEMENTWISE=0"

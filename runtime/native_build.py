@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import pathlib
 import subprocess
 import tempfile
+from collections.abc import Callable
 
 from .cache_folder import furcate_cache
 
@@ -59,3 +61,17 @@ def load(source: pathlib.Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
 def failure_reason(error: OSError | subprocess.SubprocessError) -> str:
     """What a failed build or load says: the compiler's errors where it ran."""
     return (getattr(error, "stderr", None) or str(error)).strip()
+
+
+def load_or_reason(variable: str, load: Callable[[], ctypes.CDLL], logger: logging.Logger,
+                   fallback: str) -> ctypes.CDLL | str:
+    """load()'s library, or why there is none: turned off by `variable`=0, or its build or load failed (logged
+    as a warning that names the `fallback` running instead)."""
+    if os.environ.get(variable, "1") == "0":
+        return f"turned off by {variable}=0"
+    try:
+        return load()
+    except (OSError, subprocess.SubprocessError) as error:
+        reason = failure_reason(error)
+        logger.warning("%s: %s", fallback, reason)
+        return f"could not build or load it: {reason}"

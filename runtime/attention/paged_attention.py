@@ -16,9 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import pathlib
-import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -48,14 +46,8 @@ def load() -> ctypes.CDLL:
 @functools.cache
 def library() -> ctypes.CDLL | str:
     """The kernel, or why there is none."""
-    if os.environ.get("FURCATE_PAGED_ATTENTION", "1") == "0":
-        return "turned off by FURCATE_PAGED_ATTENTION=0"
-    try:
-        return load()
-    except (OSError, subprocess.SubprocessError) as error:
-        reason = native_build.failure_reason(error)
-        logger.warning("paged attention kernel unavailable, attention gathers K/V for SDPA: %s", reason)
-        return f"could not build or load it: {reason}"
+    return native_build.load_or_reason("FURCATE_PAGED_ATTENTION", load, logger,
+                                       "paged attention kernel unavailable, attention gathers K/V for SDPA")
 
 
 def available() -> bool:

@@ -18,9 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import pathlib
-import subprocess
 import threading
 from collections.abc import Callable
 
@@ -58,14 +56,10 @@ _kernel = None  # the engine's C function, bound once library() has loaded it
 @functools.cache
 def library() -> ctypes.CDLL | str:
     """The engine's kernel, or why there is none (FURCATE_BLOCK_GEMV=0 turns it off: torch's kernels then)."""
-    if os.environ.get("FURCATE_BLOCK_GEMV", "1") == "0":
-        return "turned off by FURCATE_BLOCK_GEMV=0"
-    try:
-        lib = load()
-    except (OSError, subprocess.SubprocessError) as error:
-        reason = native_build.failure_reason(error)
-        logger.warning("block GEMV kernel unavailable, quantized layers use torch's kernels: %s", reason)
-        return f"could not build or load it: {reason}"
+    lib = native_build.load_or_reason("FURCATE_BLOCK_GEMV", load, logger,
+                                      "block GEMV kernel unavailable, quantized layers use torch's kernels")
+    if isinstance(lib, str):
+        return lib
     logger.info("block GEMV kernel: %s", ISA_NAMES[lib.block_gemv_isa()])
     global _kernel
     _kernel = lib.block_gemv

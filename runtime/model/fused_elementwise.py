@@ -15,9 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import pathlib
-import subprocess
 
 import torch
 
@@ -46,14 +44,8 @@ def load() -> ctypes.CDLL:
 @functools.cache
 def library() -> ctypes.CDLL | str:
     """The kernels, or why there are none."""
-    if os.environ.get("FURCATE_FUSED_ELEMENTWISE", "1") == "0":
-        return "turned off by FURCATE_FUSED_ELEMENTWISE=0"
-    try:
-        return load()
-    except (OSError, subprocess.SubprocessError) as error:
-        reason = native_build.failure_reason(error)
-        logger.warning("fused elementwise kernels unavailable, torch ops run instead: %s", reason)
-        return f"could not build or load them: {reason}"
+    return native_build.load_or_reason("FURCATE_FUSED_ELEMENTWISE", load, logger,
+                                       "fused elementwise kernels unavailable, torch ops run instead")
 
 
 def available() -> bool:

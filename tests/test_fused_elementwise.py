@@ -53,6 +53,15 @@ def test_silu_mul_saturates_as_torch_does():
     assert torch.equal(fused_elementwise.silu_mul(gate_up), F.silu(gate) * up)
 
 
+def test_nan_and_infinities_pass_through_as_torchs_do():
+    gate_up = torch.tensor([[float("nan"), float("inf"), -float("inf"), 1.0, 2.0, 2.0, 2.0, 2.0]])
+    gate, up = gate_up.split(4, dim=-1)
+    torch.testing.assert_close(fused_elementwise.silu_mul(gate_up), F.silu(gate) * up, equal_nan=True)
+    x = torch.tensor([[float("nan"), 1.0], [float("inf"), 1.0]])
+    torch.testing.assert_close(fused_elementwise.rms_norm(x, torch.ones(2), 1e-6), torch_norm(x, torch.ones(2), 1e-6),
+                               equal_nan=True)
+
+
 @pytest.mark.parametrize("q_heads, k_heads, dim, rot", [(9, 3, 64, 64), (32, 8, 128, 128), (4, 4, 16, 16),
                                                        (8, 2, 64, 32), (2, 1, 80, 40)])
 def test_rotary_equals_apply_rotary_bit_for_bit(q_heads, k_heads, dim, rot):

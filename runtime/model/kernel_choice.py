@@ -1,5 +1,6 @@
-"""quantization=auto's choice, by measurement on this CPU: up to how many rows the quantized kernel beats the
-dense layer.
+"""Kernel choices by measurement on this CPU, kept on disk: up to how many rows quantization=auto's quantized
+kernel beats the dense layer, and from how many rows a float32 linear's oneDNN-packed copy beats F.linear
+(packed_linear.py).
 
 The quantized kernels (block_gemv.c's integer dot products, or torch's int4/int8 kernels on bfloat16
 activations) read 4-bit weights several times faster than a dense matmul at one row, but how far up the rows
@@ -15,14 +16,18 @@ which bake the choice in, would never be found again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import pathlib
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..cache_folder import furcate_cache
@@ -34,9 +39,13 @@ logger = logging.getLogger("furcate.quantize")
 ROW_LADDER = (1, 2, 4, 8, 16, 32)
 # The quantized kernel must win by this share: a tie is not worth its memory and numerics.
 MARGIN = 0.9
+# Rows at which a float32 packed linear is timed against F.linear, and the share by which it must win.
+PACKED_LADDER = (1, 8, 64)
+PACKED_MARGIN = 0.95
+T = TypeVar("T")
 
 
-def best_seconds(paths: tuple[list[nn.Module], list[nn.Module]], x: torch.Tensor,
+def best_seconds(paths: tuple[list[Callable], list[Callable]], x: torch.Tensor,
                  repeats: int = 3) -> tuple[float, float]:
     """Each path's best-of-repeats time for x through all its layers in turn, the two timed alternately so that
     a burst of load elsewhere hits both alike; a first pass each warms lazy initialisation up."""
@@ -65,29 +74,87 @@ def small_batch_rows(quantized: list[nn.Module], dense: list[nn.Linear]) -> int:
     return chosen
 
 
-def choice_file(quantized: list[nn.Module], dense: list[nn.Linear]) -> pathlib.Path:
-    """Where the choice for these layers on this machine is kept: keyed by the kernels, shapes and dtype, the CPU,
-    the thread count and the versions of torch and of the block kernel."""
-    parts = [[type(q).__qualname__ for q in quantized], [list(d.weight.shape) for d in dense],
-             str(dense[0].weight.dtype), cpu_signature(), torch.get_num_threads(), torch.__version__,
-             SOURCE.read_text(), os.environ.get("FURCATE_BLOCK_GEMV"), os.environ.get("ATEN_CPU_CAPABILITY")]
+def choice_path(parts: list) -> pathlib.Path:
+    """Where a choice measured on this machine is kept: keyed by what it chose between (parts), the CPU, the
+    thread count and torch's version."""
+    parts = [*parts, cpu_signature(), torch.get_num_threads(), torch.__version__,
+             os.environ.get("ATEN_CPU_CAPABILITY")]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
     return furcate_cache() / "kernel_choice" / f"{key}.json"
 
 
-def remembered_rows(quantized: list[nn.Module], dense: list[nn.Linear]) -> int:
-    """small_batch_rows as measured the first time on this machine."""
-    path = choice_file(quantized, dense)
+def choice_file(quantized: list[nn.Module], dense: list[nn.Linear]) -> pathlib.Path:
+    """Where quantization=auto's choice for these layers is kept: keyed by the kernels, the dense layers' shapes,
+    dtype and packing, and the block kernel's source."""
+    return choice_path([[type(q).__qualname__ for q in quantized], [list(d.weight.shape) for d in dense],
+                        [getattr(d, "from_rows", None) for d in dense], str(dense[0].weight.dtype),
+                        SOURCE.read_text(), os.environ.get("FURCATE_BLOCK_GEMV")])
+
+
+def remembered(path: pathlib.Path, measure: Callable[[], T], parse: Callable[[object], T], what: str) -> T:
+    """measure()'s result as the first start on this machine measured it (parse turns the saved JSON back into
+    it, raising on anything else)."""
     try:
-        return int(json.loads(path.read_text())["rows"])
+        return parse(json.loads(path.read_text())["value"])
     except (OSError, ValueError, KeyError, TypeError):  # not measured yet, or a damaged file: measure
         pass
-    rows = small_batch_rows(quantized, dense)
+    value = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps({"rows": rows}))
+        scratch.write_text(json.dumps({"value": value}))
         os.replace(scratch, path)
     except OSError as error:  # a read-only cache: measure again next start
-        logger.warning("quantization=auto's choice was not saved: %s", error)
-    return rows
+        logger.warning("%s was not saved: %s", what, error)
+    return value
+
+
+def remembered_rows(quantized: list[nn.Module], dense: list[nn.Linear]) -> int:
+    """small_batch_rows as measured the first time on this machine."""
+    return remembered(choice_file(quantized, dense), lambda: small_batch_rows(quantized, dense), int,
+                      "quantization=auto's choice")
+
+
+def packed_crossover(layers: list[nn.Linear]) -> int | None:
+    """The smallest rung of PACKED_LADDER from which oneDNN's packed linear beats F.linear at every rung, timed
+    through these layers (of one shape, each holding its packed copy); None when it loses at the top rung."""
+    packed = [functools.partial(packed_call, layer) for layer in layers]
+    plain = [functools.partial(plain_call, layer) for layer in layers]
+    chosen = None
+    for rows in reversed(PACKED_LADDER):
+        x = torch.randn(rows, layers[0].in_features, dtype=layers[0].weight.dtype)
+        packed_s, plain_s = best_seconds((packed, plain), x)
+        logger.info("%d rows through %d %s linears: packed %.0f us, plain %.0f us", rows, len(layers),
+                    list(layers[0].weight.shape), packed_s * 1e6, plain_s * 1e6)
+        if packed_s > PACKED_MARGIN * plain_s:
+            break
+        chosen = rows
+    return chosen
+
+
+def packed_call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+
+def plain_call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def packed_from_rows(layers: list[nn.Linear]) -> list[int | None]:
+    """Per layer (each holding its packed copy), the rows from which it serves the packed copy, measured per
+    weight shape the first time on this machine (packed_crossover)."""
+    groups: dict[str, list[nn.Linear]] = {}
+    for layer in layers:
+        groups.setdefault(json.dumps(list(layer.weight.shape)), []).append(layer)
+    path = choice_path(["packed_linear", sorted(groups), str(layers[0].weight.dtype)])
+    chosen = remembered(path, lambda: {shape: packed_crossover(group) for shape, group in groups.items()},
+                        functools.partial(parse_crossovers, sorted(groups)), "the packed linears' choice")
+    return [chosen[json.dumps(list(layer.weight.shape))] for layer in layers]
+
+
+def parse_crossovers(shapes: list[str], saved: object) -> dict[str, int | None]:
+    if not isinstance(saved, dict) or sorted(saved) != shapes:
+        raise ValueError("another model's choice")
+    if not all(rows is None or rows in PACKED_LADDER for rows in saved.values()):
+        raise ValueError("not a rung")
+    return saved

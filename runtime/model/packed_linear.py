@@ -1,4 +1,4 @@
-"""bfloat16 linears on CPU through oneDNN with their weights reordered once, at load.
+"""CPU linears through oneDNN with their weights reordered once, at load: bfloat16 always, float32 where it wins.
 
 `F.linear` in bfloat16 already runs oneDNN on CPU, but it reorders the weight into oneDNN's blocked layout on
 every call. Reordering once and calling oneDNN's linear with the result gives the same numbers (the same kernel on
@@ -6,54 +6,105 @@ the same layout: bit for bit, which tests/test_packed_linear.py checks on the ma
 faster per call on an AMD EPYC with avx512_bf16 (a 3072x576 layer: 117 -> 40 us at 1 row, 216 -> 98 us at 16);
 the default model's bfloat16 decode at batch 8 went from 224-241 to 320-329 tokens/s.
 
+float32's `F.linear` runs the BLAS (MKL), which on an AMD EPYC (Zen 5) ran at ~200 GFLOP/s where oneDNN with a
+packed weight ran ~460: 2.3x at prefill's rows, 2-3.7x at decode's, the tied 49152-row LM head 2.6x at one row.
+On an Intel Xeon the two were even at prefill's rows and oneDNN 10-30% ahead at 8-32. The two round differently
+(float32 noise, ~1e-6 relative), so float32 packs only where a measurement on this CPU says it pays
+(kernel_choice.packed_from_rows, per weight shape, kept on disk): a layer serves its packed copy from that many
+rows on and F.linear below them.
+
 The reordered copy is an opaque oneDNN tensor beside the parameter, which stays as it was: checkpoint loading,
 weight updates and state dicts see ordinary tensors. Whoever writes a parameter's data repacks (rank_control.py
-after a weight update, after resuming released weights); releasing weights drops the copies. A compiled step
-traces the plain linear (oneDNN's opaque tensors do not compile), so enable_torch_compile is unchanged.
+after a weight update, after resuming released weights); releasing weights drops the copies. Opaque tensors do
+not compile, so a compiled step calls the op furcate::packed_linear with the ordinary weight, and the op finds the
+layer's packed copy by the weight's address (a layer whose weight moved since it packed runs F.linear).
+FURCATE_PACKED_LINEAR=0 packs nothing; =1 packs float32 too, from one row, without measuring.
 """
 
 from __future__ import annotations
+
+import os
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+# which layer packed the weight at an address (the compiled op's lookup)
+_PACKERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+
 
 class PackedLinear(nn.Linear):
-    """nn.Linear whose eager forward reads its oneDNN-reordered weight (`packed`; None: the plain linear)."""
+    """nn.Linear whose forward reads its oneDNN-reordered weight (`packed`; None: the plain linear) for inputs of
+    `from_rows` rows or more (None: it never packs)."""
 
     packed: torch.Tensor | None = None
+    from_rows: int | None = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or self.packed is None:  # dynamo never reads the opaque tensor
+        if not torch.compiler.is_compiling():
+            return self.run(x)
+        if self.from_rows is None:
+            return F.linear(x, self.weight, self.bias)
+        return packed_linear_op(x, self.weight, self.bias)  # dynamo never reads the opaque tensor
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or self.from_rows is None or x.numel() < self.from_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def repack(self) -> None:
         weight = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if weight.numel() else None
+        if self.packed is not None:
+            _PACKERS[weight.data_ptr()] = self
+
+    def unpack(self) -> None:
+        self.packed = None
+
+
+def switch() -> str | None:
+    """FURCATE_PACKED_LINEAR: "0" packs nothing, "1" packs float32 without measuring, unset measures."""
+    return os.environ.get("FURCATE_PACKED_LINEAR")
 
 
 def packs(dtype: torch.dtype, device: str) -> bool:
-    """Whether linears of this dtype on this device are packed: bfloat16 on a CPU whose oneDNN runs it natively."""
-    return (device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether linears of this dtype on this device may pack: bfloat16 on a CPU whose oneDNN runs it natively
+    (always), float32 on any CPU with oneDNN (where kernel_choice measures it faster)."""
+    if device != "cpu" or not torch.backends.mkldnn.is_available() or switch() == "0":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def plain_linears(model: nn.Module) -> list[nn.Linear]:
+    """The model's plain nn.Linear layers (tensor-parallel ones are other classes and stay as they are)."""
+    return [module for module in model.modules() if type(module) is nn.Linear]
 
 
 def pack_linears(model: nn.Module) -> int:
     """Turn every plain nn.Linear of the model into a PackedLinear in place (the same object and parameters, so
-    whatever holds a layer keeps it) and pack it; the number packed. Tensor-parallel layers stay as they are."""
-    linears = [module for module in model.modules() if type(module) is nn.Linear]
+    whatever holds a layer keeps it) and pack it; float32 layers keep the packed copy only from the rows where it
+    measured faster. The number that serve a packed copy."""
+    linears = plain_linears(model)
     for module in linears:
         module.__class__ = PackedLinear
         module.repack()
-    return len(linears)
+    float32 = [layer for layer in linears if layer.weight.dtype == torch.float32]
+    if float32 and switch() != "1":
+        from .kernel_choice import packed_from_rows
+
+        for layer, rows in zip(float32, packed_from_rows(float32)):
+            layer.from_rows = rows
+            if rows is None:
+                layer.unpack()
+    return sum(layer.packed is not None for layer in linears)
 
 
 def repack_linears(model: nn.Module) -> None:
-    """After a parameter's data was written or replaced: every PackedLinear packs its weight again."""
+    """After a parameter's data was written or replaced, or released weights resumed: every PackedLinear that
+    serves a packed copy packs its weight again."""
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear) and module.from_rows is not None:
             module.repack()
 
 
@@ -61,4 +112,26 @@ def unpack_linears(model: nn.Module) -> None:
     """Drop the packed copies (their memory goes with the released weights); forwards run the plain linear."""
     for module in model.modules():
         if isinstance(module, PackedLinear):
-            module.packed = None
+            module.unpack()
+
+
+def _op_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    layer = _PACKERS.get(weight.data_ptr())
+    if layer is None or layer.weight.data_ptr() != weight.data_ptr() or layer.weight.shape != weight.shape:
+        return F.linear(x, weight, bias)
+    return layer.run(x)
+
+
+# The packed linear as an op a compiled graph can hold (registered at the low level, a CPU kernel and nothing
+# else, as block_gemv is: torch.library.custom_op's wrappers cost microseconds a call).
+_LIBRARY = torch.library.Library("furcate", "FRAGMENT")
+_LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.impl("packed_linear", _op_kernel, "CPU")
+
+
+@torch.library.register_fake("furcate::packed_linear")
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+packed_linear_op = torch.ops.furcate.packed_linear.default

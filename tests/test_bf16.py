@@ -1,8 +1,10 @@
 """bfloat16: what dtype="auto" picks, and the engine in bfloat16 against HF transformers in bfloat16.
 
-bfloat16 kernels (oneDNN's matmuls, SDPA) round differently from HF's eager path, so bfloat16 is held to a
-tolerance on logprobs, not to token equality: the largest difference over a prompt's tokens stays under
-BF16_LOGPROB_TOLERANCE, and greedy agreement is reported (pytest -s).
+bfloat16 kernels (oneDNN's matmuls, the paged attention kernel, which computes in float32 and rounds once) round
+differently from HF's eager path, so bfloat16 is held to a tolerance on logprobs, not to token equality: the
+largest difference over a prompt's tokens stays under BF16_LOGPROB_TOLERANCE, or ours is within bfloat16's own
+noise of HF float32: no further from it than BF16_NOISE_FACTOR times HF bfloat16's distance. Greedy agreement is
+reported (pytest -s).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import ARCHS, NO_GRAMMAR, assert_pool_free, engine_starting
+from conftest import ARCHS, NO_GRAMMAR, HFReference, assert_pool_free, engine_starting
 from furcate import Engine
 from furcate.runtime.model import loader
 
@@ -19,6 +21,10 @@ from furcate.runtime.model import loader
 # of mantissa, so a logit of magnitude 10 is only known to about 0.04; on an avx512_bf16 machine the measured
 # difference was below 1e-4 for all five models and greedy agreement was 1.00 (prefill and decode alike).
 BF16_LOGPROB_TOLERANCE = 0.05
+# Two bfloat16 computations that round in different places land a comparable distance from float32, not the same
+# one: with the paged attention kernel (per call closer to exact than SDPA on the default model's every layer),
+# the largest logprob distance from float32 was 0.94-1.34x HF bfloat16's (tiny models and the default model).
+BF16_NOISE_FACTOR = 1.5
 
 
 @pytest.mark.parametrize("native, config_dtype, expected", [
@@ -69,6 +75,20 @@ def _compare(engine: Engine, hf_bf16: tuple[torch.Tensor, list[int]], ids: list[
     return float((got - expected).abs().max()), same / len(hf)
 
 
+def assert_bf16_within_noise(engine: Engine, model_dir, ids: list[int], new_tokens: int,
+                             reference: tuple[torch.Tensor, list[int]], label: str) -> None:
+    """Within BF16_LOGPROB_TOLERANCE of HF bfloat16's prompt logprobs, or within bfloat16's noise of HF float32's
+    (BF16_NOISE_FACTOR)."""
+    worst, agreement = _compare(engine, reference, ids, new_tokens)
+    float32 = HFReference(model_dir).logprobs(ids)
+    exact = torch.tensor([float32[i - 1, ids[i]].item() for i in range(1, len(ids))])
+    ours = torch.tensor(_engine_prompt_logprobs(engine, ids))
+    ours_error, hf_error = (ours - exact).abs().max().item(), (reference[0] - exact).abs().max().item()
+    print(f"{label}: max |logprob diff| {worst:.4f} (from float32: ours {ours_error:.4f}, HF bf16 "
+          f"{hf_error:.4f}), greedy agreement {agreement:.2f}")
+    assert worst < BF16_LOGPROB_TOLERANCE or ours_error <= BF16_NOISE_FACTOR * hf_error
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_models_in_bf16_stay_within_tolerance_of_hf_bf16(arch, tiny_model_dirs):
     ids = list(range(300, 360))
@@ -77,10 +97,8 @@ def test_tiny_models_in_bf16_stay_within_tolerance_of_hf_bf16(arch, tiny_model_d
         reference = _hf_bf16(tiny_model_dirs[arch], ids, 16)  # while the engine starts
         engine = started()
         assert engine.info.dtype == "bfloat16"
-        worst, agreement = _compare(engine, reference, ids, 16)
+        assert_bf16_within_noise(engine, tiny_model_dirs[arch], ids, 16, reference, arch)
         assert_pool_free(engine)
-    print(f"{arch}: max |logprob diff| {worst:.4f}, greedy agreement {agreement:.2f}")
-    assert worst < BF16_LOGPROB_TOLERANCE
 
 
 def test_default_model_in_bf16_stays_within_tolerance_of_hf_bf16(default_model_dir, tokenizer):
@@ -90,7 +108,5 @@ def test_default_model_in_bf16_stays_within_tolerance_of_hf_bf16(default_model_d
                          torch_num_threads=2, **NO_GRAMMAR) as started:
         reference = _hf_bf16(default_model_dir, ids, 24)  # while the engine starts
         engine = started()
-        worst, agreement = _compare(engine, reference, ids, 24)
+        assert_bf16_within_noise(engine, default_model_dir, ids, 24, reference, "default model")
         assert_pool_free(engine)
-    print(f"default model: max |logprob diff| {worst:.4f}, greedy agreement {agreement:.2f}")
-    assert worst < BF16_LOGPROB_TOLERANCE

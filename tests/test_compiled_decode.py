@@ -48,7 +48,8 @@ def test_compiled_bfloat16_decode_stays_with_eager(tmp_path, private_cache):
     params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     compiled = {**common, "enable_torch_compile": True, "torch_compile_max_bs": 1}  # batch 1: one graph to compile
     with engines_side_by_side((gguf, common), (gguf, compiled)) as engines:
-        outputs = [e.generate(input_ids=list(range(200, 240)), sampling_params=params, return_logprob=True,
+        # (on 200..239 eager's first token is an exact bfloat16 tie, so the two part at once: nothing compared)
+        outputs = [e.generate(input_ids=list(range(300, 340)), sampling_params=params, return_logprob=True,
                               top_logprobs_num=2) for e in engines]
         assert engines[1].get_stats()["compiled_forward_calls"] >= 23
         assert engines[0].get_stats()["compiled_forward_calls"] == 0

@@ -69,6 +69,30 @@ def test_matches_causal_sdpa_over_gathered_keys(new_tokens, cached, heads, kv_he
                                atol=2e-5)
 
 
+@pytest.mark.parametrize("new_tokens, cached, heads, kv_heads, dim", [
+    (*decode(1, 64), 9, 3, 64), (*decode(32, 300), 9, 3, 64), (*decode(3, 200), 32, 8, 128),
+    ([37, 5, 16, 1], [0, 130, 64, 7], 9, 3, 64), ([20, 3], [10, 0], 32, 2, 32),
+])
+def test_bfloat16_is_float32_attention_rounded_once(new_tokens, cached, heads, kv_heads, dim):
+    """bfloat16 queries and pool: the float32 result over the same (bfloat16) numbers, rounded to bfloat16 at the
+    end, as torch rounds (at most one bfloat16 step from it where float32 noise meets a rounding boundary)."""
+    q, k_pool, v_pool, kv_index, spans = (t.to(torch.bfloat16) if t.is_floating_point() else t
+                                          for t in case(new_tokens, cached, heads, kv_heads, dim))
+    out = paged_attention.attention(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    expected = reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-5)
+    assert (out.float() == expected.to(torch.bfloat16).float()).float().mean() > 0.99
+
+
+def test_bfloat16_nan_stays_nan():
+    q, k_pool, v_pool, kv_index, spans = (t.to(torch.bfloat16) if t.is_floating_point() else t
+                                          for t in case([1], [8], 4, 2, 16))
+    v_pool[kv_index[0, 3], 1, 5] = float("nan")  # one value of the second KV head: its queries' dimension 5
+    out = paged_attention.attention(q, k_pool, v_pool, kv_index, spans, 0.25)
+    assert out[0, 2:, 5].isnan().all() and not out[0, :2].isnan().any() and not out[0, 2:, :5].isnan().any()
+
+
 def test_large_scores_stay_finite():
     """Scores in the hundreds: the running maximum keeps every exponential in range (a score's last bit, ~3e-5
     there, moves the weights more than at ordinary scale: a looser tolerance)."""
@@ -104,15 +128,18 @@ def test_shapes_beyond_its_limits_are_refused():
     with pytest.raises(ValueError, match="multiple of 16"):
         paged_attention.attention(q, k_pool, v_pool, kv_index, spans, 0.2)
     assert not paged_attention.supports(34, 2, 64, torch.float32)  # 17 query heads per KV head
-    for dtype in (torch.bfloat16, torch.float16):  # bfloat16 models keep SDPA's rounding (HF's)
-        assert not paged_attention.supports(4, 2, 64, dtype)
-        with pytest.raises(ValueError, match="runs float32"):
-            paged_attention.attention(q.to(dtype), k_pool.to(dtype), v_pool.to(dtype), kv_index, spans, 0.2)
+    q, k_pool, v_pool, kv_index, spans = case([1], [4], 4, 2, 16)
+    assert not paged_attention.supports(4, 2, 64, torch.float16)
+    with pytest.raises(ValueError, match="runs float32 or bfloat16"):
+        paged_attention.attention(q.half(), k_pool.half(), v_pool.half(), kv_index, spans, 0.2)
+    with pytest.raises(ValueError, match="runs float32 or bfloat16"):  # queries and pool of two dtypes
+        paged_attention.attention(q, k_pool.bfloat16(), v_pool.bfloat16(), kv_index, spans, 0.2)
 
 
 @pytest.mark.parametrize("change, serves", [
     ({}, True), ({"windows": frozenset({None, 4096})}, False), ({"logit_cap": 50.0}, False),
-    ({"num_kv_heads": None}, False), ({"head_dim": 24}, False), ({"dtype": torch.bfloat16}, False),
+    ({"num_kv_heads": None}, False), ({"head_dim": 24}, False), ({"dtype": torch.bfloat16}, True),
+    ({"dtype": torch.float16}, False),
 ])
 def test_models_it_serves(change, serves):
     shape = dict(num_heads=8, head_dim=64, scaling=0.125, dtype=torch.float32, num_kv_heads=2)

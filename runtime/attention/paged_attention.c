@@ -11,8 +11,9 @@
  * and some of its KV heads; the heads take each block of keys in turn, so a slot's row (all heads side by side)
  * comes from memory once. Per head and block of BLOCK keys: scores (16 keys' dot products summed at once),
  * causal masking per row, an online softmax (a running maximum and sum, the accumulated values rescaled when the
- * maximum rises), then the block's values. float32 only: a bfloat16 model keeps torch's SDPA, whose rounding (its
- * probabilities rounded to bfloat16 per block of 512 keys) HF's bfloat16 results carry and the tests hold it to.
+ * maximum rises), then the block's values. float32 or bfloat16 queries, pool and output (one type for all
+ * three); bfloat16 rows are widened to float32 as they are read and everything is computed in float32, the output
+ * rounded to the nearest bfloat16 once, at the end.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -84,13 +85,42 @@ static inline vf exp_nonpositive(vf x) {
     return pick(underflows, (vf){}, p * scale);
 }
 
-/* Row `row` of a [rows, dim] float32 array as dim / LANES vectors. */
-static inline void load_row(const float *base, int64_t row, int chunks, vf *out) {
-    memcpy(out, base + row * chunks * LANES, (size_t)chunks * sizeof(vf));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+
+/* Row `row` of a [rows, dim] array (float32, or bfloat16 where bf16) as dim / LANES float32 vectors: a bfloat16
+ * is the top half of the float32 it stands for. */
+static inline void load_row(const void *base, int64_t row, int chunks, vf *out, int bf16) {
+    if (!bf16) {
+        memcpy(out, (const float *)base + row * chunks * LANES, (size_t)chunks * sizeof(vf));
+        return;
+    }
+    const uint16_t *halves = (const uint16_t *)base + row * chunks * LANES;
+    for (int c = 0; c < chunks; c++) {
+        vh h;
+        memcpy(&h, halves + c * LANES, sizeof h);
+        out[c] = (vf)(__builtin_convertvector(h, vu) << 16);
+    }
 }
 
-static inline void store_row(float *base, int64_t row, int chunks, const vf *in) {
-    memcpy(base + row * chunks * LANES, in, (size_t)chunks * sizeof(vf));
+/* float32 to bfloat16, rounded to nearest even as torch rounds; a NaN stays a (quiet) NaN. */
+static inline vh to_bf16(vf x) {
+    vu bits = (vu)x;
+    vu rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+    vu quiet = (bits >> 16) | 0x40;
+    return __builtin_convertvector((vu)pick(x != x, (vf)quiet, (vf)rounded), vh);
+}
+
+static inline void store_row(void *base, int64_t row, int chunks, const vf *in, int bf16) {
+    if (!bf16) {
+        memcpy((float *)base + row * chunks * LANES, in, (size_t)chunks * sizeof(vf));
+        return;
+    }
+    uint16_t *halves = (uint16_t *)base + row * chunks * LANES;
+    for (int c = 0; c < chunks; c++) {
+        vh h = to_bf16(in[c]);
+        memcpy(halves + c * LANES, &h, sizeof h);
+    }
 }
 
 static inline int64_t checked(int64_t slot, int64_t pool_slots) {
@@ -132,15 +162,15 @@ static inline __attribute__((always_inline)) void row_values(vf *acc, int chunks
  * accumulator in registers. Inlined per head size (row_chunks), so that those loops have constant bounds. */
 static inline __attribute__((always_inline)) void attend_block_sized(
     vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
-    const float *k_pool, const float *v_pool, const int64_t *slots, int count, int64_t first_pos,
-    const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks) {
+    const void *k_pool, const void *v_pool, const int64_t *slots, int count, int64_t first_pos,
+    const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, int bf16) {
     vf keys[BLOCK * chunks], values[BLOCK * chunks];
     float weights[BLOCK] __attribute__((aligned(64)));
     int padded = (count + 15) & ~15;
     for (int j = 0; j < count; j++) {
         int64_t slot = checked(slots[j], pool_slots) * kv_heads + h;
-        load_row(k_pool, slot, chunks, keys + j * chunks);
-        load_row(v_pool, slot, chunks, values + j * chunks);
+        load_row(k_pool, slot, chunks, keys + j * chunks, bf16);
+        load_row(v_pool, slot, chunks, values + j * chunks, bf16);
     }
     for (int j = count * chunks; j < padded * chunks; j++) keys[j] = (vf){};
     for (int r = 0; r < rows; r++) {
@@ -167,12 +197,12 @@ static inline __attribute__((always_inline)) void attend_block_sized(
 }
 
 static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
-                         float *running_sum, const float *k_pool, const float *v_pool, const int64_t *slots, int count,
+                         float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots, int count,
                          int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
-                         int kv_heads, int group, int chunks) {
+                         int kv_heads, int group, int chunks, int bf16) {
 #define SIZED(n)                                                                                              \
     attend_block_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, first_pos, last_pos, \
-                       rows, pool_slots, h, kv_heads, group, n)
+                       rows, pool_slots, h, kv_heads, group, n, bf16)
     switch (chunks) { /* head_dim 16, 32, 64, 128, 256; others with a variable bound */
     case 1: SIZED(1); break;
     case 2: SIZED(2); break;
@@ -191,9 +221,9 @@ typedef struct {
 
 /* An item's queries (token t's row of q is start + first + t) against the request's slots up to each token's own
  * position (prefix + first + t). */
-static void attend_item(Item it, const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
+static void attend_item(Item it, const void *q, const void *k_pool, const void *v_pool, const int64_t *slots,
                         int64_t start, int64_t prefix, int64_t pool_slots, int heads, int kv_heads, int group,
-                        int chunks, float scale, float *out) {
+                        int chunks, float scale, void *out, int bf16) {
     vf query[MAX_ROWS][MAX_DIM / LANES], acc[MAX_ROWS][MAX_DIM / LANES];
     float running_max[MAX_ROWS], running_sum[MAX_ROWS];
     int64_t last_pos[MAX_TILE];
@@ -203,7 +233,7 @@ static void attend_item(Item it, const float *q, const float *k_pool, const floa
         vf (*qs)[MAX_DIM / LANES] = query + k * rows;
         for (int r = 0; r < rows; r++) { /* row r: token r / group, query head (h0 + k) * group + r % group */
             int64_t token = start + it.first + r / group;
-            load_row(q, token * heads + (it.h0 + k) * group + r % group, chunks, qs[r]);
+            load_row(q, token * heads + (it.h0 + k) * group + r % group, chunks, qs[r], bf16);
             for (int c = 0; c < chunks; c++) {
                 qs[r][c] *= scale;
                 acc[k * rows + r][c] = (vf){};
@@ -218,7 +248,7 @@ static void attend_item(Item it, const float *q, const float *k_pool, const floa
         for (int k = 0; k < it.n; k++) {
             int at = k * rows;
             attend_block(query + at, acc + at, running_max + at, running_sum + at, k_pool, v_pool, slots + key,
-                         count, key, last_pos, rows, pool_slots, it.h0 + k, kv_heads, group, chunks);
+                         count, key, last_pos, rows, pool_slots, it.h0 + k, kv_heads, group, chunks, bf16);
         }
     }
     for (int k = 0; k < it.n; k++)
@@ -227,7 +257,7 @@ static void attend_item(Item it, const float *q, const float *k_pool, const floa
             float inverse = running_sum[i] > 0.0f ? 1.0f / running_sum[i] : 0.0f;
             for (int c = 0; c < chunks; c++) acc[i][c] *= inverse;
             int64_t token = start + it.first + r / group;
-            store_row(out, token * heads + (it.h0 + k) * group + r % group, chunks, acc[i]);
+            store_row(out, token * heads + (it.h0 + k) * group + r % group, chunks, acc[i], bf16);
         }
 }
 
@@ -249,14 +279,14 @@ static int plan_items(const int64_t *q_counts, int batch, int kv_heads, int grou
     return count;
 }
 
-/* q and out [tokens, heads, dim]; spans [3, batch]: request b's new tokens are rows spans[0][b] ..
+/* q and out [tokens, heads, dim] (float32, or bfloat16 where bf16, as the pools are); spans [3, batch]: request b's new tokens are rows spans[0][b] ..
  * spans[0][b] + spans[1][b] - 1 of q, after spans[2][b] cached ones; k_pool and v_pool [pool_slots, kv_heads,
  * dim]; slots [batch, table_len]: row b holds request b's KV slots in position order, its new tokens' own included
  * (written before this runs). Returns 0; -1 for shapes beyond this file's limits, -2 for spans past the
  * table, -3 when out of memory (nothing is computed then). */
-int paged_attention(const float *q, const float *k_pool, const float *v_pool, int64_t pool_slots,
+int paged_attention(const void *q, const void *k_pool, const void *v_pool, int64_t pool_slots,
                     const int64_t *slots, int64_t table_len, const int64_t *spans, int batch, int heads,
-                    int kv_heads, int dim, float scale, float *out, int threads) {
+                    int kv_heads, int dim, float scale, void *out, int threads, int bf16) {
     if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || dim > MAX_DIM || dim <= 0
         || dim % LANES)
         return -1;
@@ -274,7 +304,7 @@ int paged_attention(const float *q, const float *k_pool, const float *v_pool, in
     for (int i = 0; i < count; i++) {
         Item it = items[i];
         attend_item(it, q, k_pool, v_pool, slots + (int64_t)it.b * table_len, q_starts[it.b], prefix_lens[it.b],
-                    pool_slots, heads, kv_heads, group, chunks, scale, out);
+                    pool_slots, heads, kv_heads, group, chunks, scale, out, bf16);
     }
     free(items);
     return 0;

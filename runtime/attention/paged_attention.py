@@ -29,6 +29,7 @@ logger = logging.getLogger("furcate.paged_attention")
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.c")
 # paged_attention.c's limits: query heads per KV head, head dimension (a multiple of LANES)
 MAX_GROUP, MAX_DIM, LANES = 16, 256, 16
+DTYPES = (torch.float32, torch.bfloat16)
 ERRORS = {-1: "shapes beyond the kernel's limits", -2: "a request's tokens run past its slot table",
           -3: "out of memory"}
 
@@ -39,7 +40,7 @@ def load() -> ctypes.CDLL:
     lib.paged_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-        ctypes.c_int]
+        ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -55,9 +56,8 @@ def available() -> bool:
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel takes this attention shape and dtype (and is built): float32 only, since a bfloat16
-    model's attention rounds as torch's SDPA does (its probabilities in bfloat16), which HF's results carry."""
-    return (dtype == torch.float32 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+    """Whether the kernel takes this attention shape and dtype (and is built): float32 or bfloat16."""
+    return (dtype in DTYPES and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
             and head_dim <= MAX_DIM and head_dim % LANES == 0 and available())
 
 
@@ -91,18 +91,20 @@ def paged_table(batch: ForwardBatch) -> PagedTable:
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
               spans: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D] float32, the batch's new tokens packed request after request; k_pool and v_pool [slots, Hkv, D]
-    float32, the new tokens' K/V written; kv_index [B, L] int64 and spans [3, B] as PagedTable holds them (a slot
-    outside the pool reads slot 0). Causal: each token sees its request's slots up to its own. Returns [T, H, D]."""
+    """q [T, H, D], the batch's new tokens packed request after request; k_pool and v_pool [slots, Hkv, D] of q's
+    dtype (float32 or bfloat16), the new tokens' K/V written; kv_index [B, L] int64 and spans [3, B] as PagedTable
+    holds them (a slot outside the pool reads slot 0). Causal: each token sees its request's slots up to its own.
+    Returns [T, H, D] of q's dtype, computed in float32."""
     q, kv_index, spans = q.contiguous(), kv_index.contiguous(), spans.contiguous()
-    if not q.dtype == k_pool.dtype == v_pool.dtype == torch.float32:
-        raise ValueError(f"paged attention runs float32, not {q.dtype} queries over a {k_pool.dtype} pool")
+    if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in DTYPES:
+        raise ValueError(f"paged attention runs float32 or bfloat16, not {q.dtype} queries over a "
+                         f"{k_pool.dtype}/{v_pool.dtype} pool")
     tokens, heads, dim = q.shape
     out = torch.empty_like(q)
     status = library().paged_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], kv_index.data_ptr(),
         kv_index.shape[1], spans.data_ptr(), spans.shape[1], heads, k_pool.shape[1], dim, scale, out.data_ptr(),
-        torch.get_num_threads())
+        torch.get_num_threads(), q.dtype == torch.bfloat16)
     if status:
         raise ValueError(f"paged attention: {ERRORS[status]} (up to {MAX_GROUP} query heads per KV head and "
                          f"head_dim {MAX_DIM}, a multiple of {LANES}; here {heads}/{k_pool.shape[1]} heads of "

@@ -1,5 +1,7 @@
-"""bfloat16 linears on CPU through oneDNN with prepacked weights (runtime/model/packed_linear.py): the same bits as
-F.linear on this machine, and an engine that repacks whenever its weights are written (updates, resumed memory)."""
+"""CPU linears through oneDNN with prepacked weights (runtime/model/packed_linear.py): in bfloat16 the same bits as
+F.linear on this machine, in float32 its values to float32 noise from the rows the measurement chose, greedy output
+equal to HF's with every float32 layer packed (eager and compiled), and an engine that repacks whenever its weights
+are written (updates, resumed memory)."""
 
 from __future__ import annotations
 
@@ -8,16 +10,20 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from conftest import NO_GRAMMAR, engines_side_by_side
-from furcate.runtime.model.packed_linear import PackedLinear, pack_linears, packs
+from conftest import EXACT, NO_GRAMMAR, engine_starting, engines_side_by_side
+from furcate.runtime.model import kernel_choice
+from furcate.runtime.model.packed_linear import PackedLinear, pack_linears, packed_linear_op, packs
 from rl_trainer import round_weights
+from test_greedy_matches_hf import make_prompts
 
-pytestmark = pytest.mark.skipif(not packs(torch.bfloat16, "cpu"),
+needs_bf16 = pytest.mark.skipif(not packs(torch.bfloat16, "cpu"),
                                 reason="this CPU's oneDNN has no native bfloat16, so nothing is packed")
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch is built without oneDNN")
 PROMPT = list(range(300, 340))
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
 @pytest.mark.parametrize("shape", [(64, 32), (960, 576), (576, 1536)])
 def test_a_packed_linear_gives_f_linears_bits(rows, shape):
@@ -34,6 +40,7 @@ def test_a_packed_linear_gives_f_linears_bits(rows, shape):
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
+@needs_bf16
 def test_an_updated_engine_serves_the_new_weights_as_an_engine_loaded_with_them(tiny_model_dirs, tmp_path):
     """Updated weights reach the packed copies (a stale copy would serve the old projections), and released then
     resumed weights serve as before."""
@@ -55,3 +62,86 @@ def test_an_updated_engine_serves_the_new_weights_as_an_engine_loaded_with_them(
         assert updated.release_memory_occupation()[0]
         assert updated.resume_memory_occupation()[0]
         assert greedy(updated) == greedy(loaded)
+
+
+def float32_layer(shape: tuple[int, int], from_rows: int | None) -> PackedLinear:
+    torch.manual_seed(shape[0])
+    layer = torch.nn.Linear(shape[1], shape[0])
+    layer.__class__ = PackedLinear
+    layer.repack()
+    layer.from_rows = from_rows
+    return layer
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 8, 64])
+def test_a_float32_packed_linear_serves_its_copy_from_the_chosen_rows(rows):
+    """From from_rows on: oneDNN's values, float32 noise from F.linear's; below: F.linear's bits."""
+    layer = float32_layer((960, 576), from_rows=8)
+    x = torch.randn(rows, 576)
+    with torch.inference_mode():
+        out, plain = layer(x), F.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+        if rows < 8:
+            assert torch.equal(out, plain)
+        layer.from_rows = None  # never packs
+        assert torch.equal(layer(x), plain)
+
+
+@needs_onednn
+def test_the_compiled_op_finds_the_layers_packed_copy_and_never_a_stale_one():
+    layer = float32_layer((576, 1536), from_rows=1)
+    x = torch.randn(4, 1536)
+    with torch.inference_mode():
+        assert torch.equal(packed_linear_op(x, layer.weight, layer.bias), layer(x))
+        other = torch.randn(576, 1536)  # a weight no layer packed: F.linear
+        assert torch.equal(packed_linear_op(x, other, None), F.linear(x, other))
+        layer.weight = torch.nn.Parameter(torch.randn(576, 1536))  # replaced, not repacked: never the old copy
+        torch.testing.assert_close(packed_linear_op(x, layer.weight, layer.bias),
+                                   F.linear(x, layer.weight, layer.bias))
+
+
+@needs_onednn
+def test_float32_packing_is_measured_once_per_shape_and_kept(private_cache, tmp_path, monkeypatch):
+    layers = [float32_layer(shape, 1) for shape in ((96, 64), (64, 96), (96, 64))]
+    measured = []
+    monkeypatch.setattr(kernel_choice, "packed_crossover",
+                        lambda group: measured.append(len(group)) or (8 if group[0].out_features == 96 else None))
+    assert kernel_choice.packed_from_rows(layers) == [8, None, 8]
+    assert sorted(measured) == [1, 2]
+    assert kernel_choice.packed_from_rows(layers) == [8, None, 8] and len(measured) == 2  # kept on disk
+    for path in (tmp_path / "kernel_choice").iterdir():
+        path.write_text('{"value": {"[96, 64]": 3}}')  # damaged: not a rung, a shape missing
+    assert kernel_choice.packed_from_rows(layers) == [8, None, 8] and len(measured) == 4
+
+
+@needs_onednn
+def test_the_measurement_packs_where_the_packed_copy_wins():
+    """packed_crossover on real layers: None, or a rung it won from (the layers keep their copies meanwhile)."""
+    layers = [float32_layer((256, 128), 1) for _ in range(4)]
+    assert kernel_choice.packed_crossover(layers) in (None, *kernel_choice.PACKED_LADDER)
+
+
+@needs_onednn
+def test_switch_off_packs_nothing(monkeypatch):
+    monkeypatch.setenv("FURCATE_PACKED_LINEAR", "0")
+    assert not packs(torch.float32, "cpu") and not packs(torch.bfloat16, "cpu")
+    monkeypatch.setenv("FURCATE_PACKED_LINEAR", "1")
+    assert packs(torch.float32, "cpu") and not packs(torch.float32, "cuda")
+
+
+@needs_onednn
+def test_every_float32_layer_packed_keeps_greedy_output_equal_to_hf(tiny_model_dirs, hf_reference, tokenizer,
+                                                                     private_cache, monkeypatch):
+    """FURCATE_PACKED_LINEAR=1 packs every float32 layer from one row: prefill, eager decode and the compiled
+    batch-1 graph (through furcate::packed_linear) still give HF's greedy tokens."""
+    monkeypatch.setenv("FURCATE_PACKED_LINEAR", "1")
+    prompts = make_prompts(3, seed=5)
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    with engine_starting(str(tiny_model_dirs["llama"]), **EXACT, enable_torch_compile=True, torch_compile_max_bs=1,
+                         torch_num_threads=2, max_total_tokens=1500, **NO_GRAMMAR) as started:
+        expected = [hf_reference("llama").greedy(tokenizer.encode(p), 12) for p in prompts]
+        engine = started()
+        assert engine.generate(prompts[0], params)["output_ids"] == expected[0]
+        assert engine.get_stats()["compiled_forward_calls"] >= 11
+        assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected  # eager batches of 3

@@ -1,6 +1,7 @@
 """The fused elementwise kernels (fused_elementwise.c) against the torch ops they replace in eager CPU float32
 forwards: rotary to torch's bits, the SiLU-gated product within a few ulps, RMSNorm within
-the rounding of a differently ordered sum."""
+the rounding of a differently ordered sum; in bfloat16, torch's bfloat16 ops' roundings (rotary to the bit, the
+others but for the rare value a float32 ulp tips to the other bfloat16)."""
 
 from __future__ import annotations
 
@@ -77,14 +78,72 @@ def test_rotary_equals_apply_rotary_bit_for_bit(q_heads, k_heads, dim, rot):
     assert torch.equal(q, qk[:, :q_heads]) and torch.equal(k, qk[:, q_heads:])
 
 
+def bf16_hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama's RMSNorm on bfloat16 rows and weight."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+
+
+def mostly_equal(got: torch.Tensor, expected: torch.Tensor, share: float = 0.995) -> None:
+    """bfloat16 results: torch's bits but for the few values a float32 ulp moved across a rounding boundary
+    (one bfloat16 step away)."""
+    assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == expected.shape
+    same = got == expected
+    assert same.float().mean() >= share if got.numel() else True
+    torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-30)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 576), (3, 17), (2048, 576)])
+def test_bfloat16_rms_norm_rounds_as_hfs(rows, width):
+    generator = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, width, generator=generator) * 3).bfloat16()
+    weight = torch.randn(width, generator=generator).bfloat16()
+    mostly_equal(fused_elementwise.rms_norm(x, weight, 1e-5), bf16_hf_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (7, 13), (2048, 1536)])
+def test_bfloat16_silu_mul_rounds_as_torchs(rows, inter):
+    gate_up = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
+    gate, up = gate_up.split(inter, dim=-1)
+    mostly_equal(fused_elementwise.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_bfloat16_nan_and_infinities_pass_through():
+    gate_up = torch.tensor([[float("nan"), float("inf"), -float("inf"), 1.0, 2.0, 2.0, 2.0, 2.0]]).bfloat16()
+    gate, up = gate_up.split(4, dim=-1)
+    assert torch.equal(fused_elementwise.silu_mul(gate_up).isnan(), (F.silu(gate) * up).isnan())
+    x = torch.tensor([[float("nan"), 1.0], [3e38, -3e38]]).bfloat16()
+    got, expected = fused_elementwise.rms_norm(x, torch.ones(2).bfloat16(), 1e-6), bf16_hf_norm(
+        x, torch.ones(2).bfloat16(), 1e-6)
+    assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("q_heads, k_heads, dim, rot", [(9, 3, 64, 64), (8, 2, 64, 32), (2, 1, 80, 40)])
+def test_bfloat16_rotary_equals_apply_rotary_bit_for_bit(q_heads, k_heads, dim, rot):
+    rows = 37
+    generator = torch.Generator().manual_seed(dim + rot)
+    qkv = torch.randn(rows, (q_heads + 2 * k_heads) * dim, generator=generator).bfloat16()
+    angles = torch.randn(rows, 1, rot // 2, generator=generator) * 50
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).bfloat16()
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).bfloat16()
+    q, k = fused_elementwise.rotary_qk(qkv, cos, signed_sin, q_heads, k_heads, dim)
+    qk = apply_rotary(qkv[:, : (q_heads + k_heads) * dim].reshape(rows, -1, dim), cos, signed_sin)
+    assert q.dtype == torch.bfloat16 and q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(q, qk[:, :q_heads]) and torch.equal(k, qk[:, q_heads:])
+
+
 def test_layers_take_the_kernels_only_where_they_serve():
     norm = RMSNorm(8, 1e-6)
     norm.weight.data = torch.randn(8)
     x = torch.randn(5, 8)
-    assert fused_elementwise.serves(x) and not fused_elementwise.serves(x.bfloat16())
+    assert fused_elementwise.serves(x) and fused_elementwise.serves(x.bfloat16())
+    assert not fused_elementwise.serves(x.half()) and not fused_elementwise.serves(x.double())
     torch.testing.assert_close(norm(x), torch_norm(x, norm.weight.detach(), 1e-6), rtol=2e-6, atol=1e-7)
+    assert not norm.fuses(x.bfloat16())  # a float32 weight on bfloat16 rows: torch's ops
     assert torch.equal(norm(x.bfloat16()), norm.weight * (x.bfloat16().float() * torch.rsqrt(
         x.bfloat16().float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16())
+    olmo = RMSNorm(8, 1e-6, "olmo").bfloat16()
+    assert norm.bfloat16().fuses(x.bfloat16()) and not olmo.fuses(x.bfloat16())  # OLMo rounds after the weight
     mlp = GatedMLP(8, 12)
     gate, up = mlp.gate_up_proj(x).split(12, dim=-1)
     torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(gate) * up), rtol=1e-6, atol=1e-7)

@@ -1,4 +1,4 @@
-/* The elementwise steps of a CPU float32 forward, each fused into one pass over its rows: RMSNorm, the SiLU-gated
+/* The elementwise steps of a CPU float32 or bfloat16 forward, each fused into one pass over its rows: RMSNorm, the SiLU-gated
  * product of the MLP, and the rotary embedding of q and k. Run as torch ops, a prefill chunk's norm is five passes
  * over activations larger than the caches (square, mean, rsqrt, two products), the gated product three, and the
  * rotation five (a roll, two products, a sum, a copy of q); here each reads its input once and writes its output
@@ -7,10 +7,33 @@
  * The arithmetic is torch's, in its order, with each product and sum rounded on its own (built with
  * -ffp-contract=off: a fused multiply-add would round once where torch rounds twice). Rotary gives torch's results
  * to the bit; the gated product computes e^x by its own polynomial, as exact as torch's (99.4% of products equal
- * torch's bits, the rest within 2.5 ulps); the norm differs only in the order its squares are summed. */
+ * torch's bits, the rest within 2.5 ulps); the norm differs only in the order its squares are summed.
+ *
+ * The _bf16 variants take and give bfloat16 and round where torch's bfloat16 ops round (HF's Llama-style norm
+ * normalises in float32 and rounds before the weight's product; SiLU rounds its result, then the product; the
+ * rotation rounds each product and their sum), computing in float32 between those points, as torch does. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* A bfloat16 is the top half of the float32 it stands for. */
+static inline float widen(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 to bfloat16, rounded to nearest even as torch rounds; a NaN stays a (quiet) NaN. */
+static inline uint16_t narrow(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* bfloat16 a times b, rounded: the product of two bfloat16s is exact in float32. */
+static inline uint16_t product(uint16_t a, uint16_t b) { return narrow(widen(a) * widen(b)); }
 
 /* out[r] = weight * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))), HF Llama's RMSNorm in float32. */
 void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t width, float eps,
@@ -26,6 +49,23 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
         float inverse = 1.0f / sqrtf(mean + eps);
 #pragma omp simd
         for (int64_t i = 0; i < width; i++) dst[i] = weight[i] * (row[i] * inverse);
+    }
+}
+
+/* HF Llama's RMSNorm in bfloat16: weight * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))).to(bfloat16). */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t width,
+                   float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * width;
+        uint16_t *dst = out + r * width;
+        double squares = 0.0;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < width; i++) squares += (double)widen(row[i]) * (double)widen(row[i]);
+        float mean = (float)(squares / (double)width);
+        float inverse = 1.0f / sqrtf(mean + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) dst[i] = product(weight[i], narrow(widen(row[i]) * inverse));
     }
 }
 
@@ -66,6 +106,20 @@ void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int
     }
 }
 
+/* silu_mul in bfloat16: silu(gate) rounded, then its product with up rounded. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        uint16_t *dst = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            float g = widen(gate[i]);
+            dst[i] = product(narrow(g / (1.0f + silu_exp(-g))), up[i]);
+        }
+    }
+}
+
 /* One head's rotation: out = x * cos + roll(x, half) * signed_sin over the first rot dimensions (signed_sin
  * holds -sin in its first half, so this is HF's x * cos + cat(-x2, x1) * sin), the rest copied. */
 static inline void rotate_head(const float *x, const float *cos, const float *signed_sin, float *out, int dim,
@@ -90,6 +144,35 @@ void rotary_qk(const float *qkv, int64_t row_stride, const float *cos, const flo
         for (int h = 0; h < heads; h++) {
             float *dst = h < q_heads ? q_out + (r * q_heads + h) * dim : k_out + (r * k_heads + h - q_heads) * dim;
             rotate_head(row + (int64_t)h * dim, c, s, dst, dim, rot);
+        }
+    }
+}
+
+/* rotate_head in bfloat16: each product rounded, then their sum. */
+static inline void rotate_head_bf16(const uint16_t *x, const uint16_t *cos, const uint16_t *signed_sin,
+                                    uint16_t *out, int dim, int rot) {
+    int half = rot / 2;
+#pragma omp simd
+    for (int i = 0; i < half; i++)
+        out[i] = narrow(widen(product(x[i], cos[i])) + widen(product(x[i + half], signed_sin[i])));
+#pragma omp simd
+    for (int i = half; i < rot; i++)
+        out[i] = narrow(widen(product(x[i], cos[i])) + widen(product(x[i - half], signed_sin[i])));
+    for (int i = rot; i < dim; i++) out[i] = x[i];
+}
+
+/* rotary_qk in bfloat16 (row_stride in elements). */
+void rotary_qk_bf16(const uint16_t *qkv, int64_t row_stride, const uint16_t *cos, const uint16_t *signed_sin,
+                    uint16_t *q_out, uint16_t *k_out, int64_t rows, int q_heads, int k_heads, int dim, int rot,
+                    int threads) {
+    int heads = q_heads + k_heads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = qkv + r * row_stride, *c = cos + r * rot, *s = signed_sin + r * rot;
+        for (int h = 0; h < heads; h++) {
+            uint16_t *dst = h < q_heads ? q_out + (r * q_heads + h) * dim
+                                        : k_out + (r * k_heads + h - q_heads) * dim;
+            rotate_head_bf16(row + (int64_t)h * dim, c, s, dst, dim, rot);
         }
     }
 }

@@ -53,8 +53,10 @@ class RMSNorm(nn.Module):
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the fused kernel computes this norm: float32 rows in the Llama and OLMo styles (the same
-        products in float32; Gemma's weight is an offset)."""
-        return (self.style != "gemma" and x.is_contiguous() and self.weight.dtype == torch.float32
+        products in float32; Gemma's weight is an offset), bfloat16 rows in the Llama style (OLMo's rounds after
+        the weight's product)."""
+        styles = ("llama", "olmo") if x.dtype == torch.float32 else ("llama",)
+        return (self.style in styles and x.is_contiguous() and self.weight.dtype == x.dtype
                 and fused_elementwise.serves(x))
 
     def mean_square(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,8 +196,8 @@ class Attention(nn.Module):
 
 
 def fuses_rotary(qkv: torch.Tensor, rotary: CosSin) -> bool:
-    """Whether the fused kernel rotates this projection: float32 rows [T, W] with unit column stride, and
-    cos_sin's tables for those T tokens."""
+    """Whether the fused kernel rotates this projection: float32 or bfloat16 rows [T, W] with unit column
+    stride, and cos_sin's tables (of that dtype) for those T tokens."""
     cos, signed_sin = rotary
     return (qkv.dim() == 2 and qkv.stride(1) == 1 and cos.dtype == qkv.dtype and cos.shape[0] == qkv.shape[0]
             and cos.is_contiguous() and signed_sin.is_contiguous() and fused_elementwise.serves(qkv))

@@ -145,3 +145,15 @@ def test_every_float32_layer_packed_keeps_greedy_output_equal_to_hf(tiny_model_d
         assert engine.generate(prompts[0], params)["output_ids"] == expected[0]
         assert engine.get_stats()["compiled_forward_calls"] >= 11
         assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected  # eager batches of 3
+
+
+@needs_onednn
+def test_copies_that_would_crowd_the_memory_are_not_made(monkeypatch):
+    from furcate.runtime.model import packed_linear
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))  # 24 KiB of weights
+    monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: 40 * 1024)
+    assert pack_linears(model) == 0 and all(type(layer) is torch.nn.Linear for layer in model)
+    monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setenv("FURCATE_PACKED_LINEAR", "1")
+    assert pack_linears(model) == 2 and all(isinstance(layer, PackedLinear) for layer in model)

@@ -76,6 +76,14 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def available_memory_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
+
+
 def load_model(model_path: str, dtype: torch.dtype, device: str = "cpu",
                tp: TensorParallel = SINGLE) -> DecoderForCausalLM:
     """The model, or with tp this rank's shard of it (each tensor is cut as it is read)."""

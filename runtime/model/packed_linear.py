@@ -23,12 +23,17 @@ FURCATE_PACKED_LINEAR=0 packs nothing; =1 packs float32 too, from one row, witho
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .loader import available_memory_bytes
+
+logger = logging.getLogger("furcate.packed_linear")
 
 # which layer packed the weight at an address (the compiled op's lookup)
 _PACKERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
@@ -81,11 +86,24 @@ def plain_linears(model: nn.Module) -> list[nn.Linear]:
     return [module for module in model.modules() if type(module) is nn.Linear]
 
 
+def room_for_copies(linears: list[nn.Linear]) -> bool:
+    """Whether the packed copies (as many bytes as the weights) take at most half the memory still free: a model
+    near the machine's memory runs unpacked rather than failing to load or leaving no room for its KV cache."""
+    copies = sum(layer.weight.numel() * layer.weight.element_size() for layer in linears)
+    try:
+        return copies <= available_memory_bytes() // 2
+    except (OSError, RuntimeError, ValueError):  # no /proc/meminfo: nothing tells, as before
+        return True
+
+
 def pack_linears(model: nn.Module) -> int:
     """Turn every plain nn.Linear of the model into a PackedLinear in place (the same object and parameters, so
     whatever holds a layer keeps it) and pack it; float32 layers keep the packed copy only from the rows where it
-    measured faster. The number that serve a packed copy."""
+    measured faster. The number that serve a packed copy; none where the copies would not fit (room_for_copies)."""
     linears = plain_linears(model)
+    if not room_for_copies(linears):
+        logger.warning("linears not packed for oneDNN: their copies would take over half the free memory")
+        return 0
     for module in linears:
         module.__class__ = PackedLinear
         module.repack()

@@ -28,7 +28,7 @@ from ..distributed.spawn import Spawned, spawn_followers
 from ..graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled, start_background_build
 from ..graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
 from ..model.layers import attention_shape
-from ..model.loader import load_config, resolve_dtype
+from ..model.loader import available_memory_bytes, load_config, resolve_dtype
 from ..model.vision import checkpoint_vision_spec, load_vision_encoder
 from ..multimodal.embedder import ImageEmbedder
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
@@ -322,14 +322,6 @@ def model_attention(model, dtype: torch.dtype) -> ModelAttention:
     return ModelAttention(num_heads=layers[0].num_heads, head_dim=layers[0].head_dim, scaling=layers[0].scaling,
                           dtype=dtype, windows=frozenset(a.sliding_window for a in layers),
                           logit_cap=layers[0].logit_cap, num_kv_heads=layers[0].num_kv_heads)
-
-
-def available_memory_bytes() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
 
 
 def gpu_kv_budget(args: EngineArgs, weight_bytes: int) -> int:

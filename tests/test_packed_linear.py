@@ -116,10 +116,27 @@ def test_float32_packing_is_measured_once_per_shape_and_kept(private_cache, tmp_
 
 
 @needs_onednn
-def test_the_measurement_packs_where_the_packed_copy_wins():
-    """packed_crossover on real layers: None, or a rung it won from (the layers keep their copies meanwhile)."""
-    layers = [float32_layer((256, 128), 1) for _ in range(4)]
-    assert kernel_choice.packed_crossover(layers) in (None, *kernel_choice.PACKED_LADDER)
+@pytest.mark.parametrize("packed_wins_at, chosen", [
+    ((1, 8, 64), 1), ((8, 64), 8), ((1, 64), 64),  # a loss at 8 rows: only 64 and up
+    ((), None), ((1, 8), None),  # a loss at the top rung: never
+])
+def test_the_measurement_packs_from_the_rows_where_it_wins_at_every_larger_count(packed_wins_at, chosen,
+                                                                                   monkeypatch):
+    """packed_crossover times both paths at each rung (real layers, their inputs of that many rows) and picks the
+    smallest rung from which the packed copy wins at every larger one."""
+    timed_rows = []
+
+    def best_seconds(paths, x):
+        rows = x.shape[0]
+        timed_rows.append(rows)
+        assert len(paths[0]) == len(paths[1]) == 3
+        torch.testing.assert_close(paths[0][0](x), paths[1][0](x), rtol=1e-5, atol=1e-5)  # the same linear
+        return (1.0, 2.0) if rows in packed_wins_at else (2.0, 1.0)
+
+    monkeypatch.setattr(kernel_choice, "best_seconds", best_seconds)
+    layers = [float32_layer((256, 128), 1) for _ in range(3)]
+    assert kernel_choice.packed_crossover(layers) == chosen
+    assert timed_rows[0] == 64 and timed_rows == sorted(timed_rows, reverse=True)
 
 
 @needs_onednn

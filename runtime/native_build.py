@@ -16,8 +16,14 @@ import pathlib
 import subprocess
 import tempfile
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from .cache_folder import furcate_cache
+
+if TYPE_CHECKING:
+    import torch
+
+Built = TypeVar("Built")
 
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 
@@ -40,12 +46,15 @@ def library_path(source: pathlib.Path, compiler: str, flags: tuple[str, ...]) ->
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def build(source: pathlib.Path, compiler: str, flags: tuple[str, ...], target: pathlib.Path) -> None:
+def build(source: pathlib.Path, compiler: str, flags: tuple[str, ...], target: pathlib.Path,
+          libraries: tuple[str, ...] = ()) -> None:
+    """Compile source into target; libraries (-L and -l options) come after the source, where a linker that
+    links only libraries in use (--as-needed) still sees what the source needs from them."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = pathlib.Path(scratch) / target.name
-        subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True,
-                       text=True, timeout=120)
+        subprocess.run([compiler, *flags, str(source), *libraries, "-o", str(built)], check=True,
+                       capture_output=True, text=True, timeout=120)
         os.replace(built, target)
 
 
@@ -58,13 +67,55 @@ def load(source: pathlib.Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
     return ctypes.CDLL(str(target))
 
 
+def torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a C++ library of torch ops compiles with (this torch's headers and ABI; its version names the build, so
+    another torch builds its own) and links with (its libraries)."""
+    import torch
+
+    root, abi = pathlib.Path(torch.__file__).parent, int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = ("-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DFURCATE_TORCH={torch.__version__}",
+                     f"-I{root / 'include'}")
+    return compile_flags, (f"-L{root / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10")
+
+
+def load_torch_ops(source: pathlib.Path, linked: tuple[pathlib.Path, ...] = ()) -> pathlib.Path:
+    """source, a C++ file registering torch ops, built ($CXX, else c++) with the C libraries `linked` (load's,
+    calling into them) and loaded into torch's dispatcher; the library's path. Raises OSError or SubprocessError
+    as load does."""
+    import torch
+
+    compile_flags, torch_libraries = torch_flags()
+    libraries = (*map(str, linked), *(f"-Wl,-rpath,{path.parent}" for path in linked), *torch_libraries)
+    compiler, flags = os.environ.get("CXX", "c++"), FLAGS + compile_flags
+    target = library_path(source, compiler, flags + libraries)
+    if not target.exists():
+        build(source, compiler, flags, target, libraries)
+    try:
+        torch.ops.load_library(str(target))
+    except RuntimeError as error:  # the dispatcher refused it (say a schema that disagrees)
+        raise OSError(str(error)) from error
+    return target
+
+
+def register_op_kernel(library: torch.library.Library, name: str, source: pathlib.Path,
+                       python_kernel: Callable[..., object], logger: logging.Logger,
+                       linked: tuple[pathlib.Path, ...] = ()) -> bool:
+    """Give the op furcate::`name` (defined in library) its CPU kernel: source's C++ (load_torch_ops; it registers
+    itself) where it builds, so that a compiled graph calls it without a trip into Python (~8 us a call), else
+    python_kernel (also with FURCATE_NATIVE_OPS=0). Whether the C++ kernel runs."""
+    built = load_or_reason("FURCATE_NATIVE_OPS", lambda: load_torch_ops(source, linked), logger,
+                           f"furcate::{name} runs its Python kernel")
+    if isinstance(built, str):
+        library.impl(name, python_kernel, "CPU")
+    return not isinstance(built, str)
+
+
 def failure_reason(error: OSError | subprocess.SubprocessError) -> str:
     """What a failed build or load says: the compiler's errors where it ran."""
     return (getattr(error, "stderr", None) or str(error)).strip()
 
 
-def load_or_reason(variable: str, load: Callable[[], ctypes.CDLL], logger: logging.Logger,
-                   fallback: str) -> ctypes.CDLL | str:
+def load_or_reason(variable: str, load: Callable[[], Built], logger: logging.Logger, fallback: str) -> Built | str:
     """load()'s library, or why there is none: turned off by `variable`=0, or its build or load failed (logged
     as a warning that names the `fallback` running instead)."""
     if os.environ.get(variable, "1") == "0":

@@ -119,6 +119,37 @@ def test_torch_compile_traces_the_registered_op():
         assert torch.equal(compiled(x), layer(x))
 
 
+def test_without_a_cpp_compiler_the_ops_run_their_python_kernels(tmp_path):
+    """The C kernels build, the ops' C++ kernels cannot: every op computes the same through its Python kernel, and
+    compiled decode keeps torch's int4 kernel for 4-bit layers."""
+    script = ("import torch\n"
+              "from furcate.runtime.model import block_gemv, quantized, packed_linear\n"
+              "from furcate.runtime.attention import paged_attention\n"
+              "import numpy as np\n"
+              "w = quantized.BlockWeights('Q4_1', np.ones((16, 64), np.int32), np.ones((16, 2), np.float32),"
+              " np.zeros((16, 2), np.float32))\n"
+              "layer = quantized.quantized_linear(w, None, for_graphs=True)\n"
+              "print(block_gemv.native_op(), paged_attention.available() and paged_attention.native_op(),"
+              " packed_linear.native_kernel(), type(layer).__name__)\n"
+              "g = quantized.BlockGemvLinear(w, None)\n"
+              "x = torch.randn(2, 64)\n"
+              "print(torch.equal(block_gemv.gemv_op(x, g.packed, 16, 4), block_gemv.gemv(x, g.packed, 16, 4)))\n"
+              "q, k, v = torch.randn(1, 2, 16), torch.randn(8, 1, 16), torch.randn(8, 1, 16)\n"
+              "spans = paged_attention.spans(torch.tensor([0]), torch.tensor([1]), torch.tensor([4]))\n"
+              "table = torch.arange(8).view(1, 8)\n"
+              "print(torch.equal(paged_attention.attention_op(q, k, v, table, spans, 0.25),"
+              " paged_attention.attention(q, k, v, table, spans, 0.25)))\n"
+              "model = torch.nn.Sequential(torch.nn.Linear(64, 32))\n"
+              "packed_linear.pack_linears(model)\n"
+              "print(torch.equal(packed_linear.packed_linear_op(x, model[0].weight, model[0].bias), model[0](x)))\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "FURCATE_PACKED_LINEAR": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=pathlib.Path(__file__).parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:4] == ["False False False Int4Linear", "True", "True", "True"]
+    assert "furcate::block_gemv runs its Python kernel" in done.stderr
+
+
 def test_without_a_compiler_the_engine_keeps_torch_kernels(tmp_path):
     script = ("from furcate.runtime.model import block_gemv, quantized\n"
               "import numpy as np\n"
@@ -141,6 +172,37 @@ def test_weights_of_the_wrong_size_are_refused_before_the_kernel_reads_them():
         layer(torch.randn(1, 128))
 
 
-def test_compiled_decode_keeps_torch_int4_kernel_and_the_block_kernel_for_q8():
-    assert isinstance(quantized_linear(random_blocks("Q4_1", 16, 128, 0), None, for_graphs=True), Int4Linear)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_gives_the_eager_calls_bits(kind, rows, dtype):
+    """furcate::block_gemv, as a compiled step calls it (block_gemv_op.cpp's kernel where it builds), computes
+    what the eager ctypes call does."""
+    layer = BlockGemvLinear(random_blocks(kind, 35, 576, seed=rows), None)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    assert torch.equal(block_gemv.gemv_op(x, layer.packed, 35, layer.bits),
+                       block_gemv.gemv(x, layer.packed, 35, layer.bits))
+    wide = torch.randn(rows, 1152).to(dtype)[:, ::2]  # a strided view is read as the values it shows
+    assert torch.equal(block_gemv.gemv_op(wide, layer.packed, 35, layer.bits),
+                       block_gemv.gemv(wide.contiguous(), layer.packed, 35, layer.bits))
+
+
+def test_the_op_refuses_what_it_cannot_read():
+    layer = BlockGemvLinear(random_blocks("Q4_1", 16, 128, 0), None)
+    for x, weight, bits, message in (
+            (torch.randn(1, 128), layer.packed.new_empty(0), 4, "weights released"),
+            (torch.randn(1, 128), layer.packed, 8, "not the"),
+            (torch.randn(1, 128).double(), layer.packed, 4, "float32 or bfloat16"),
+            (torch.randn(2, 1, 128), layer.packed, 4, "float32 or bfloat16"),
+            (torch.randn(1, 96), layer.packed, 4, "multiple of 64"),
+            (torch.randn(1, 128), layer.packed, 3, "4- or 8-bit")):
+        with pytest.raises(ValueError, match=message):
+            block_gemv.gemv_op(x, weight, 16, bits)
+
+
+def test_compiled_decode_takes_the_block_kernel_where_its_op_runs_in_cpp():
+    """With the op's C++ kernel a compiled step reads 4-bit blocks through it; without it (the op's Python
+    kernel cost more a call than it saved) torch's int4 kernel, checked in a process with no C++ compiler."""
+    assert block_gemv.native_op(), "this machine has a C++ compiler: the op's C++ kernel should build"
+    assert isinstance(quantized_linear(random_blocks("Q4_1", 16, 128, 0), None, for_graphs=True), BlockGemvLinear)
     assert isinstance(quantized_linear(random_blocks("Q8_0", 16, 128, 0), None, for_graphs=True), BlockGemvLinear)

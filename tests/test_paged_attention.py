@@ -14,6 +14,13 @@ pytestmark = pytest.mark.skipif(not paged_attention.available(), reason=f"kernel
 POOL = 3000
 
 
+@pytest.fixture(params=["ctypes", "op"])
+def attend(request):
+    """The kernel as eager forwards call it (ctypes) and as a compiled step does (the op furcate::paged_attention,
+    whose CPU kernel is paged_attention_op.cpp's where it builds): the same results and the same refusals."""
+    return paged_attention.attention if request.param == "ctypes" else paged_attention.attention_op
+
+
 def reference(q, k_pool, v_pool, kv_index, spans, scale):
     """Causal SDPA in float32 over each request's gathered slots, query heads grouped under their KV head."""
     heads, dim = q.shape[1:]
@@ -61,9 +68,9 @@ def decode(batch, context, seed=0):
     ([37, 5, 16, 1], [0, 130, 64, 7], 9, 3, 64),  # prefills after cached prefixes, beside a decode
     ([20, 3], [10, 0], 32, 2, 32),  # 16 queries per KV head: tiles of 3 tokens
 ])
-def test_matches_causal_sdpa_over_gathered_keys(new_tokens, cached, heads, kv_heads, dim):
+def test_matches_causal_sdpa_over_gathered_keys(attend, new_tokens, cached, heads, kv_heads, dim):
     q, k_pool, v_pool, kv_index, spans = case(new_tokens, cached, heads, kv_heads, dim)
-    out = paged_attention.attention(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    out = attend(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
     assert out.dtype == torch.float32 and out.shape == q.shape
     torch.testing.assert_close(out, reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5), rtol=2e-5,
                                atol=2e-5)
@@ -73,67 +80,67 @@ def test_matches_causal_sdpa_over_gathered_keys(new_tokens, cached, heads, kv_he
     (*decode(1, 64), 9, 3, 64), (*decode(32, 300), 9, 3, 64), (*decode(3, 200), 32, 8, 128),
     ([37, 5, 16, 1], [0, 130, 64, 7], 9, 3, 64), ([20, 3], [10, 0], 32, 2, 32),
 ])
-def test_bfloat16_is_float32_attention_rounded_once(new_tokens, cached, heads, kv_heads, dim):
+def test_bfloat16_is_float32_attention_rounded_once(attend, new_tokens, cached, heads, kv_heads, dim):
     """bfloat16 queries and pool: the float32 result over the same (bfloat16) numbers, rounded to bfloat16 at the
     end, as torch rounds (at most one bfloat16 step from it where float32 noise meets a rounding boundary)."""
     q, k_pool, v_pool, kv_index, spans = (t.to(torch.bfloat16) if t.is_floating_point() else t
                                           for t in case(new_tokens, cached, heads, kv_heads, dim))
-    out = paged_attention.attention(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    out = attend(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     expected = reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-5)
     assert (out.float() == expected.to(torch.bfloat16).float()).float().mean() > 0.99
 
 
-def test_bfloat16_nan_stays_nan():
+def test_bfloat16_nan_stays_nan(attend):
     q, k_pool, v_pool, kv_index, spans = (t.to(torch.bfloat16) if t.is_floating_point() else t
                                           for t in case([1], [8], 4, 2, 16))
     v_pool[kv_index[0, 3], 1, 5] = float("nan")  # one value of the second KV head: its queries' dimension 5
-    out = paged_attention.attention(q, k_pool, v_pool, kv_index, spans, 0.25)
+    out = attend(q, k_pool, v_pool, kv_index, spans, 0.25)
     assert out[0, 2:, 5].isnan().all() and not out[0, :2].isnan().any() and not out[0, 2:, :5].isnan().any()
 
 
-def test_large_scores_stay_finite():
+def test_large_scores_stay_finite(attend):
     """Scores in the hundreds: the running maximum keeps every exponential in range (a score's last bit, ~3e-5
     there, moves the weights more than at ordinary scale: a looser tolerance)."""
     q, k_pool, v_pool, kv_index, spans = case([1, 1, 40], [499, 200, 60], 8, 2, 64, query_scale=400.0)
-    out = paged_attention.attention(q, k_pool, v_pool, kv_index, spans, 0.125)
+    out = attend(q, k_pool, v_pool, kv_index, spans, 0.125)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, reference(q, k_pool, v_pool, kv_index, spans, 0.125), rtol=1e-3, atol=1e-3)
 
 
-def test_slots_outside_the_pool_read_slot_zero():
+def test_slots_outside_the_pool_read_slot_zero(attend):
     """A corrupt slot table never reads past the pool: such slots read the reserved slot 0."""
     q, k_pool, v_pool, kv_index, spans = case([1, 4], [9, 5], 4, 2, 16)
     bad = kv_index.clone()
     bad[0, 3], bad[1, 0] = POOL + 10**9, -5
     fixed = bad.clone()
     fixed[0, 3], fixed[1, 0] = 0, 0
-    torch.testing.assert_close(paged_attention.attention(q, k_pool, v_pool, bad, spans, 0.25),
-                               paged_attention.attention(q, k_pool, v_pool, fixed, spans, 0.25))
+    torch.testing.assert_close(attend(q, k_pool, v_pool, bad, spans, 0.25),
+                               attend(q, k_pool, v_pool, fixed, spans, 0.25))
 
 
-def test_spans_past_the_table_are_refused():
+def test_spans_past_the_table_are_refused(attend):
     q, k_pool, v_pool, kv_index, spans = case([2, 3], [4, 1], 4, 2, 16)
     for row, value in ((2, kv_index.shape[1]), (1, 0), (2, -1)):  # cached past the table; no new tokens; < 0
         wrong = spans.clone()
         wrong[row, 1] = value
         with pytest.raises(ValueError, match="past its slot table"):
-            paged_attention.attention(q, k_pool, v_pool, kv_index, wrong, 0.25)
+            attend(q, k_pool, v_pool, kv_index, wrong, 0.25)
 
 
-def test_shapes_beyond_its_limits_are_refused():
+def test_shapes_beyond_its_limits_are_refused(attend):
     q, k_pool, v_pool, kv_index, spans = case([1], [4], 4, 2, 24)  # 24: not a multiple of 16
     assert not paged_attention.supports(4, 2, 24, torch.float32)
     with pytest.raises(ValueError, match="multiple of 16"):
-        paged_attention.attention(q, k_pool, v_pool, kv_index, spans, 0.2)
+        attend(q, k_pool, v_pool, kv_index, spans, 0.2)
     assert not paged_attention.supports(34, 2, 64, torch.float32)  # 17 query heads per KV head
     q, k_pool, v_pool, kv_index, spans = case([1], [4], 4, 2, 16)
     assert not paged_attention.supports(4, 2, 64, torch.float16)
     with pytest.raises(ValueError, match="runs float32 or bfloat16"):
-        paged_attention.attention(q.half(), k_pool.half(), v_pool.half(), kv_index, spans, 0.2)
+        attend(q.half(), k_pool.half(), v_pool.half(), kv_index, spans, 0.2)
     with pytest.raises(ValueError, match="runs float32 or bfloat16"):  # queries and pool of two dtypes
-        paged_attention.attention(q, k_pool.bfloat16(), v_pool.bfloat16(), kv_index, spans, 0.2)
+        attend(q, k_pool.bfloat16(), v_pool.bfloat16(), kv_index, spans, 0.2)
 
 
 @pytest.mark.parametrize("change, serves", [

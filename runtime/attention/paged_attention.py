@@ -7,7 +7,8 @@ step: 150 of 255 ms). The C kernel reads each row once per tile of queries, wher
 reads keys past a tile's last position.
 
 Eager forwards call the library through ctypes; a compiled decode step traces the registered op
-furcate::paged_attention. Built once per machine (native_build.py); without a compiler, attention keeps its torch
+furcate::paged_attention, whose CPU kernel is C++ (paged_attention_op.cpp, calling the same library) where that
+builds. Built once per machine (native_build.py); without a compiler, attention keeps its torch
 path (available() says why), and FURCATE_PAGED_ATTENTION=0 keeps it there too.
 """
 
@@ -27,6 +28,7 @@ from .base import ForwardBatch, ModelAttention
 logger = logging.getLogger("furcate.paged_attention")
 
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.c")
+OP_SOURCE = pathlib.Path(__file__).with_name("paged_attention_op.cpp")
 # paged_attention.c's limits: query heads per KV head, head dimension (a multiple of LANES)
 MAX_GROUP, MAX_DIM, LANES = 16, 256, 16
 DTYPES = (torch.float32, torch.bfloat16)
@@ -52,7 +54,19 @@ def library() -> ctypes.CDLL | str:
 
 
 def available() -> bool:
-    return not isinstance(library(), str)
+    """Whether the kernel is built (and then its op has its CPU kernel)."""
+    if isinstance(library(), str):
+        return False
+    native_op()
+    return True
+
+
+@functools.cache
+def native_op() -> bool:
+    """Give furcate::paged_attention its CPU kernel once the library loads: paged_attention_op.cpp's where that
+    builds, else attention() below; whether it is the C++ one."""
+    return native_build.register_op_kernel(_LIBRARY, "paged_attention", OP_SOURCE, attention, logger,
+                                           linked=(pathlib.Path(library()._name),))
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -112,12 +126,11 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_in
     return out
 
 
-# attention as an op a compiled graph can hold, registered at the low level (a CPU kernel and nothing else), as
-# block_gemv is: torch.library.custom_op's wrappers cost microseconds a call.
+# attention as an op a compiled graph can hold, registered at the low level (a CPU kernel and nothing else, given
+# by library() once the kernel loads), as block_gemv is: torch.library.custom_op's wrappers cost microseconds a call.
 _LIBRARY = torch.library.Library("furcate", "FRAGMENT")
 _LIBRARY.define("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_index, Tensor spans, "
                 "float scale) -> Tensor")
-_LIBRARY.impl("paged_attention", attention, "CPU")
 
 
 @torch.library.register_fake("furcate::paged_attention")

@@ -30,6 +30,7 @@ from .. import native_build
 logger = logging.getLogger("furcate.block_gemv")
 
 SOURCE = pathlib.Path(__file__).with_name("block_gemv.c")
+OP_SOURCE = pathlib.Path(__file__).with_name("block_gemv_op.cpp")
 ROWS = 4  # weight rows a block holds (block_gemv.c's ROWS)
 PAIR = 64  # weights of a pair of 32-weight groups, the kernel's unit along K
 ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX2", 0: "plain C"}
@@ -67,7 +68,19 @@ def library() -> ctypes.CDLL | str:
 
 
 def available() -> bool:
-    return not isinstance(library(), str)
+    """Whether the kernel is built (and then its op has its CPU kernel)."""
+    if isinstance(library(), str):
+        return False
+    native_op()
+    return True
+
+
+@functools.cache
+def native_op() -> bool:
+    """Give furcate::block_gemv its CPU kernel once the library loads: block_gemv_op.cpp's where that builds, else
+    _op_kernel; whether it is the C++ one (a compiled step then calls it without a trip into Python)."""
+    return native_build.register_op_kernel(_LIBRARY, "block_gemv", OP_SOURCE, _op_kernel, logger,
+                                           linked=(pathlib.Path(library()._name),))
 
 
 def isa() -> str:
@@ -141,11 +154,11 @@ def _op_kernel(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int) -> torc
 
 
 # gemv as an op a compiled graph can hold: furcate::block_gemv. Defined with the low-level registration, a CPU
-# kernel and nothing else, because torch.library.custom_op's wrappers cost ~7 us more a call (one in six
-# milliseconds of the default model's compiled step).
+# kernel and nothing else (given by library() once the kernel loads: block_gemv_op.cpp's where it builds, else
+# _op_kernel), because torch.library.custom_op's wrappers cost ~7 us more a call (one in six milliseconds of the
+# default model's compiled step).
 _LIBRARY = torch.library.Library("furcate", "FRAGMENT")
 _LIBRARY.define("block_gemv(Tensor x, Tensor weight, int n, int bits) -> Tensor")
-_LIBRARY.impl("block_gemv", _op_kernel, "CPU")
 
 
 @torch.library.register_fake("furcate::block_gemv")

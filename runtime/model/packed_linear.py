@@ -23,14 +23,17 @@ FURCATE_PACKED_LINEAR=0 packs nothing; =1 packs float32 too, from one row, witho
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import pathlib
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import native_build
 from .loader import available_memory_bytes
 
 logger = logging.getLogger("furcate.packed_linear")
@@ -63,6 +66,21 @@ class PackedLinear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if weight.numel() else None
         if self.packed is not None:
             _PACKERS[weight.data_ptr()] = self
+            self.publish()
+
+    def serve_from(self, rows: int | None) -> None:
+        """Serve the packed copy from this many rows on (None: never, and drop it)."""
+        self.from_rows = rows
+        if rows is None:
+            self.unpack()
+        elif self.packed is not None:
+            self.publish()
+
+    def publish(self) -> None:
+        """Tell the op's C++ kernel (where it runs) about the packed copy: it holds it weakly, so unpack needs
+        no second call."""
+        if native_kernel():
+            torch.ops.furcate.packed_register(self.weight, self.packed, self.from_rows)
 
     def unpack(self) -> None:
         self.packed = None
@@ -101,6 +119,7 @@ def pack_linears(model: nn.Module) -> int:
     whatever holds a layer keeps it) and pack it; float32 layers keep the packed copy only from the rows where it
     measured faster. The number that serve a packed copy; none where the copies would not fit (room_for_copies)."""
     linears = plain_linears(model)
+    native_kernel()  # the op has a kernel before any graph calls it
     if not room_for_copies(linears):
         logger.warning("linears not packed for oneDNN: their copies would take over half the free memory")
         return 0
@@ -112,9 +131,7 @@ def pack_linears(model: nn.Module) -> int:
         from .kernel_choice import packed_from_rows
 
         for layer, rows in zip(float32, packed_from_rows(float32)):
-            layer.from_rows = rows
-            if rows is None:
-                layer.unpack()
+            layer.serve_from(rows)
     return sum(layer.packed is not None for layer in linears)
 
 
@@ -140,11 +157,19 @@ def _op_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return layer.run(x)
 
 
-# The packed linear as an op a compiled graph can hold (registered at the low level, a CPU kernel and nothing
-# else, as block_gemv is: torch.library.custom_op's wrappers cost microseconds a call).
+# The packed linear as an op a compiled graph can hold: its CPU kernel is packed_linear_op.cpp's where that builds
+# (registered at the low level, a CPU kernel and nothing else: torch.library.custom_op's wrappers cost
+# microseconds a call), else _op_kernel above.
 _LIBRARY = torch.library.Library("furcate", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIBRARY.impl("packed_linear", _op_kernel, "CPU")
+OP_SOURCE = pathlib.Path(__file__).with_name("packed_linear_op.cpp")
+
+
+@functools.cache
+def native_kernel() -> bool:
+    """Whether furcate::packed_linear runs packed_linear_op.cpp's kernel (built once per machine with the C++
+    compiler and torch's headers); otherwise, or with FURCATE_NATIVE_OPS=0, the Python kernel is registered."""
+    return native_build.register_op_kernel(_LIBRARY, "packed_linear", OP_SOURCE, _op_kernel, logger)
 
 
 @torch.library.register_fake("furcate::packed_linear")

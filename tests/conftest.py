@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from furcate import Engine
+from furcate.runtime import native_build
 from furcate.runtime.model.default_model import prepare_default_model
 from furcate.runtime.scheduler.start import keep_a_spare_scheduler
 from furcate.runtime.server.server_process import ServerProcess
@@ -153,8 +154,12 @@ def engine_starting(model_path: str, **engine_args) -> Iterator[Callable[[], Eng
 
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch):
-    """What the test builds once per machine (GGUF conversions, kernels, kernel choices, compiled graphs) goes to a
-    temporary cache, not the user's."""
+    """What the test builds once per machine (GGUF conversions, kernel choices, compiled graphs) goes to a
+    temporary cache, not the user's. The built kernels stay shared: each is keyed by its source, flags and CPU,
+    and building the C++ ops again would cost each engine started here ~15 s."""
+    shared = native_build.cache_dir()
+    shared.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(shared, target_is_directory=True)
     monkeypatch.setenv("FURCATE_CACHE", str(tmp_path))
 
 

@@ -12,7 +12,13 @@ from transformers import AutoModelForCausalLM
 
 from conftest import EXACT, NO_GRAMMAR, engine_starting, engines_side_by_side
 from furcate.runtime.model import kernel_choice
-from furcate.runtime.model.packed_linear import PackedLinear, pack_linears, packed_linear_op, packs
+from furcate.runtime.model.packed_linear import (
+    PackedLinear,
+    native_kernel,
+    pack_linears,
+    packed_linear_op,
+    packs,
+)
 from rl_trainer import round_weights
 from test_greedy_matches_hf import make_prompts
 
@@ -26,7 +32,8 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
 @pytest.mark.parametrize("shape", [(64, 32), (960, 576), (576, 1536)])
-def test_a_packed_linear_gives_f_linears_bits(rows, shape):
+def test_a_packed_linear_gives_f_linears_bits(rows, shape, monkeypatch):
+    monkeypatch.setenv("FURCATE_DENSE_GEMV", "0")  # the packed copy at one row too (the GEMV sums in another order)
     torch.manual_seed(rows)
     layer = torch.nn.Linear(shape[1], shape[0], bias=rows % 2 == 1, dtype=torch.bfloat16)
     model = torch.nn.Sequential(layer)
@@ -150,9 +157,11 @@ def test_switch_off_packs_nothing(monkeypatch):
 @needs_onednn
 def test_every_float32_layer_packed_keeps_greedy_output_equal_to_hf(tiny_model_dirs, hf_reference, tokenizer,
                                                                      private_cache, monkeypatch):
-    """FURCATE_PACKED_LINEAR=1 packs every float32 layer from one row: prefill, eager decode and the compiled
-    batch-1 graph (through furcate::packed_linear) still give HF's greedy tokens."""
+    """FURCATE_PACKED_LINEAR=1 packs every float32 layer from one row, FURCATE_DENSE_GEMV=1 runs one row through
+    the dense GEMV where it is built: prefill, eager decode and the compiled batch-1 graph (through
+    furcate::packed_linear) still give HF's greedy tokens."""
     monkeypatch.setenv("FURCATE_PACKED_LINEAR", "1")
+    monkeypatch.setenv("FURCATE_DENSE_GEMV", "1")
     prompts = make_prompts(3, seed=5)
     params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     with engine_starting(str(tiny_model_dirs["llama"]), **EXACT, enable_torch_compile=True, torch_compile_max_bs=1,
@@ -174,3 +183,85 @@ def test_copies_that_would_crowd_the_memory_are_not_made(monkeypatch):
     monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: 1 << 30)
     monkeypatch.setenv("FURCATE_PACKED_LINEAR", "1")
     assert pack_linears(model) == 2 and all(isinstance(layer, PackedLinear) for layer in model)
+
+
+def gemv_built(dtype: torch.dtype) -> bool:
+    return native_kernel() and torch.ops.furcate.dense_gemv_built(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 64), (960, 576), (576, 1536), (49152, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_dense_gemv_is_f_linear_at_one_row(dtype, shape, bias):
+    """float32 to float32 noise; bfloat16 within one rounding of F.linear (both sum exact products in float32, in
+    another order, and round once)."""
+    if not gemv_built(dtype):
+        pytest.skip(f"no dense GEMV for {dtype} on this CPU")
+    generator = torch.Generator().manual_seed(shape[0])
+    weight = torch.randn(shape, generator=generator).to(dtype)
+    b = torch.randn(shape[0], generator=generator).to(dtype) if bias else None
+    x = torch.randn(1, 1, shape[1], generator=generator).to(dtype)
+    got, expected = torch.ops.furcate.dense_gemv(x, weight, b), F.linear(x, weight, b)
+    assert got.shape == expected.shape == (1, 1, shape[0]) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    else:
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert ((got.double() - exact).abs() <= 2 * (expected.double() - exact).abs() + 1e-2 * exact.abs()).all()
+        assert (got != expected).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dense_gemv_refuses_what_it_does_not_take(dtype):
+    if not gemv_built(dtype):
+        pytest.skip(f"no dense GEMV for {dtype} on this CPU")
+    weight = torch.randn(32, 128).to(dtype)
+    for x, w, b in ((torch.randn(2, 128).to(dtype), weight, None),  # two rows
+                    (torch.randn(1, 96).to(dtype), torch.randn(32, 96).to(dtype), None),  # K not 64s
+                    (torch.randn(1, 128).double(), weight, None),  # another dtype
+                    (torch.randn(1, 256).to(dtype)[:, ::2], weight, None),  # a strided row
+                    (torch.randn(1, 128).to(dtype), torch.randn(128, 32).to(dtype).t(), None),  # a strided weight
+                    (torch.randn(1, 128).to(dtype), weight, torch.randn(31).to(dtype)),  # a bias of another size
+                    (torch.randn(1, 128).to(dtype), weight.view(32, 2, 64), None)):  # not a matrix
+        with pytest.raises(ValueError, match="dense GEMV takes"):
+            torch.ops.furcate.dense_gemv(x, w, b)
+
+
+def test_the_dense_gemv_serves_one_row_where_it_measured_faster(private_cache, monkeypatch):
+    """gemv_wins is measured once per shape and kept; layers whose shape it won run one row through it, the rest
+    stay on the packed copy, and both give F.linear's values."""
+    if not gemv_built(torch.float32):
+        pytest.skip("no float32 dense GEMV on this CPU")
+    monkeypatch.setenv("FURCATE_PACKED_LINEAR", "1")
+    measured = []
+    monkeypatch.setattr(kernel_choice, "gemv_wins",
+                        lambda group: measured.append(len(group)) or group[0].out_features == 128)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64), torch.nn.Linear(64, 128),
+                                torch.nn.Linear(64, 96))
+    model[3].weight = torch.nn.Parameter(torch.randn(96, 128)[:, ::2])  # not contiguous: never measured
+    assert pack_linears(model) == 4
+    assert [layer.gemv for layer in model] == [True, False, True, False] and sorted(measured) == [1, 2]
+    pack_linears(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)))
+    assert sorted(measured) == [1, 2]  # kept on disk
+    with torch.inference_mode():
+        for layer in model:
+            x = torch.randn(1, layer.in_features)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+            torch.testing.assert_close(packed_linear_op(x, layer.weight, layer.bias), layer(x))
+    monkeypatch.setenv("FURCATE_DENSE_GEMV", "0")
+    off = torch.nn.Sequential(torch.nn.Linear(64, 128))
+    assert pack_linears(off) == 1 and not off[0].gemv and len(measured) == 2
+
+
+@pytest.mark.parametrize("gemv_s, packed_s, wins", [(1.0, 2.0, True), (0.96, 1.0, False), (2.0, 1.0, False)])
+def test_gemv_wins_times_both_paths_on_the_layers_at_one_row(gemv_s, packed_s, wins, monkeypatch):
+    if not gemv_built(torch.float32):
+        pytest.skip("no float32 dense GEMV on this CPU")
+
+    def best_seconds(paths, x):
+        assert x.shape == (1, 128) and len(paths[0]) == len(paths[1]) == 2
+        torch.testing.assert_close(paths[0][0](x), paths[1][0](x))  # the same linear, two kernels
+        return gemv_s, packed_s
+
+    monkeypatch.setattr(kernel_choice, "best_seconds", best_seconds)
+    assert kernel_choice.gemv_wins([float32_layer((64, 128), 1) for _ in range(2)]) is wins

@@ -1,6 +1,6 @@
 """Kernel choices by measurement on this CPU, kept on disk: up to how many rows quantization=auto's quantized
-kernel beats the dense layer, and from how many rows a float32 linear's oneDNN-packed copy beats F.linear
-(packed_linear.py).
+kernel beats the dense layer, from how many rows a float32 linear's oneDNN-packed copy beats F.linear, and whether
+the dense GEMV beats the packed copy at one row (packed_linear.py).
 
 The quantized kernels (block_gemv.c's integer dot products, or torch's int4/int8 kernels on bfloat16
 activations) read 4-bit weights several times faster than a dense matmul at one row, but how far up the rows
@@ -143,18 +143,48 @@ def plain_call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def packed_from_rows(layers: list[nn.Linear]) -> list[int | None]:
     """Per layer (each holding its packed copy), the rows from which it serves the packed copy, measured per
     weight shape the first time on this machine (packed_crossover)."""
+    return per_shape(layers, "packed_linear", packed_crossover, lambda rows: rows is None or rows in PACKED_LADDER,
+                     "the packed linears' choice")
+
+
+def per_shape(layers: list[nn.Linear], name: str, measure: Callable[[list[nn.Linear]], T],
+              valid: Callable[[object], bool], what: str) -> list[T]:
+    """measure's result for each layer's weight shape (timed through all the layers of that shape), measured the
+    first time on this machine and then kept under `name`; a kept value that is not `valid` measures again."""
     groups: dict[str, list[nn.Linear]] = {}
     for layer in layers:
         groups.setdefault(json.dumps(list(layer.weight.shape)), []).append(layer)
-    path = choice_path(["packed_linear", sorted(groups), str(layers[0].weight.dtype)])
-    chosen = remembered(path, lambda: {shape: packed_crossover(group) for shape, group in groups.items()},
-                        functools.partial(parse_crossovers, sorted(groups)), "the packed linears' choice")
+    path = choice_path([name, sorted(groups), str(layers[0].weight.dtype)])
+    chosen = remembered(path, lambda: {shape: measure(group) for shape, group in groups.items()},
+                        functools.partial(parse_per_shape, sorted(groups), valid), what)
     return [chosen[json.dumps(list(layer.weight.shape))] for layer in layers]
 
 
-def parse_crossovers(shapes: list[str], saved: object) -> dict[str, int | None]:
+def parse_per_shape(shapes: list[str], valid: Callable[[object], bool], saved: object) -> dict:
     if not isinstance(saved, dict) or sorted(saved) != shapes:
         raise ValueError("another model's choice")
-    if not all(rows is None or rows in PACKED_LADDER for rows in saved.values()):
-        raise ValueError("not a rung")
+    if not all(valid(value) for value in saved.values()):
+        raise ValueError("not a value this choice takes")
     return saved
+
+
+def gemv_wins(layers: list[nn.Linear]) -> bool:
+    """Whether the dense GEMV beats oneDNN's packed linear at one row, timed through these layers (of one shape,
+    each holding its packed copy)."""
+    gemv = [functools.partial(gemv_call, layer) for layer in layers]
+    packed = [functools.partial(packed_call, layer) for layer in layers]
+    x = torch.randn(1, layers[0].in_features, dtype=layers[0].weight.dtype)
+    gemv_s, packed_s = best_seconds((gemv, packed), x)
+    logger.info("1 row through %d %s linears: dense GEMV %.0f us, packed %.0f us", len(layers),
+                list(layers[0].weight.shape), gemv_s * 1e6, packed_s * 1e6)
+    return gemv_s <= PACKED_MARGIN * packed_s
+
+
+def gemv_call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.furcate.dense_gemv(x, layer.weight, layer.bias)
+
+
+def gemv_choice(layers: list[nn.Linear]) -> list[bool]:
+    """Per layer (each holding its packed copy, each a shape the GEMV takes), whether one row runs the dense GEMV,
+    measured per weight shape the first time on this machine (gemv_wins)."""
+    return per_shape(layers, "dense_gemv", gemv_wins, lambda wins: type(wins) is bool, "the dense GEMV's choice")

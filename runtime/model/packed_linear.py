@@ -17,8 +17,16 @@ The reordered copy is an opaque oneDNN tensor beside the parameter, which stays 
 weight updates and state dicts see ordinary tensors. Whoever writes a parameter's data repacks (rank_control.py
 after a weight update, after resuming released weights); releasing weights drops the copies. Opaque tensors do
 not compile, so a compiled step calls the op furcate::packed_linear with the ordinary weight, and the op finds the
-layer's packed copy by the weight's address (a layer whose weight moved since it packed runs F.linear).
+layer's packed copy by the weight's address (a layer whose weight moved since it packed runs F.linear). Its CPU
+kernel is C++ (packed_linear_op.cpp, built once per machine) so that a graph calls it without a trip into Python.
 FURCATE_PACKED_LINEAR=0 packs nothing; =1 packs float32 too, from one row, without measuring.
+
+At one row (batch-1 decode) oneDNN's call costs ~8-13 us before it streams the weight, ~1 ms of the default model's
+step. packed_linear_op.cpp's dense GEMV streams each weight row from the ordinary weight at once; it serves one row
+of the layers whose shape it measured faster on (kernel_choice.gemv_choice: 35-40% on the default model's bfloat16
+shapes on an AMD EPYC, where the compiled bfloat16 batch-1 step went from 8.9-9.9 to 7.4-8.2 ms, and float32's
+from 15.3-16.2 to 13.4-15.7). Built for float32 with AVX512F and bfloat16 with AVX512-BF16;
+FURCATE_DENSE_GEMV=0 keeps one row on the packed copy, =1 takes the GEMV without measuring.
 """
 
 from __future__ import annotations
@@ -48,6 +56,13 @@ class PackedLinear(nn.Linear):
 
     packed: torch.Tensor | None = None
     from_rows: int | None = 1
+    # One row runs the dense GEMV (packed_linear_op.cpp) where it measured faster. Private, so that a graph's key
+    # (graph_cache.model_signature) leaves it out: the op chooses at run time, and a graph is the same either way.
+    _gemv: bool = False
+
+    @property
+    def gemv(self) -> bool:
+        return self._gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
@@ -57,6 +72,8 @@ class PackedLinear(nn.Linear):
         return packed_linear_op(x, self.weight, self.bias)  # dynamo never reads the opaque tensor
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv and x.numel() == self.in_features:
+            return packed_linear_op(x, self.weight, self.bias)
         if self.packed is None or self.from_rows is None or x.numel() < self.from_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -68,9 +85,10 @@ class PackedLinear(nn.Linear):
             _PACKERS[weight.data_ptr()] = self
             self.publish()
 
-    def serve_from(self, rows: int | None) -> None:
-        """Serve the packed copy from this many rows on (None: never, and drop it)."""
-        self.from_rows = rows
+    def serve_from(self, rows: int | None, gemv: bool = False) -> None:
+        """Serve the packed copy from this many rows on (None: never, and drop it), and one row by the dense GEMV
+        or not."""
+        self.from_rows, self._gemv = rows, gemv and rows is not None
         if rows is None:
             self.unpack()
         elif self.packed is not None:
@@ -80,7 +98,7 @@ class PackedLinear(nn.Linear):
         """Tell the op's C++ kernel (where it runs) about the packed copy: it holds it weakly, so unpack needs
         no second call."""
         if native_kernel():
-            torch.ops.furcate.packed_register(self.weight, self.packed, self.from_rows)
+            torch.ops.furcate.packed_register(self.weight, self.packed, self.from_rows or 0, self.gemv)
 
     def unpack(self) -> None:
         self.packed = None
@@ -132,7 +150,28 @@ def pack_linears(model: nn.Module) -> int:
 
         for layer, rows in zip(float32, packed_from_rows(float32)):
             layer.serve_from(rows)
+    take_gemv_where_it_wins([layer for layer in linears if layer.packed is not None])
     return sum(layer.packed is not None for layer in linears)
+
+
+def gemv_takes(layer: PackedLinear) -> bool:
+    """Whether the dense GEMV is built for the layer's dtype and takes its shape (whole vectors of 64 weights)."""
+    return (native_kernel() and layer.in_features % 64 == 0 and layer.weight.is_contiguous()
+            and torch.ops.furcate.dense_gemv_built(layer.weight.dtype))
+
+
+def take_gemv_where_it_wins(packed: list[PackedLinear]) -> None:
+    """One row runs the dense GEMV on the layers where it measured faster than the packed copy, per dtype and
+    weight shape (kernel_choice.gemv_choice; FURCATE_DENSE_GEMV=0: nowhere, =1: everywhere it takes)."""
+    switch = os.environ.get("FURCATE_DENSE_GEMV")
+    for dtype in (torch.float32, torch.bfloat16):
+        layers = [layer for layer in packed if layer.weight.dtype == dtype and gemv_takes(layer)]
+        if not layers or switch == "0":
+            continue
+        from .kernel_choice import gemv_choice
+
+        for layer, wins in zip(layers, [True] * len(layers) if switch == "1" else gemv_choice(layers)):
+            layer.serve_from(layer.from_rows, wins)
 
 
 def repack_linears(model: nn.Module) -> None:

@@ -129,11 +129,11 @@ def size_classes(max_bs: int, quantized_max_rows: int) -> list[int]:
     return sorted({bs for bs in (1, 2, quantized_max_rows + 1) if 1 <= bs <= max_bs})
 
 
-def example_inputs(bs: int, kv_pool: TokenToKVPool, paged: bool) -> tuple:
+def example_inputs(bs: int, kv_pool: TokenToKVPool, paged: bool, dynamic_batch: bool) -> tuple:
     """A decode step of bs requests over KV slot 0 (never handed out), for tracing. The context length is
     dynamic, so the graph serves every length, and so is the pool's size, which follows free memory and so
-    differs from start to start; above batch 1 the batch size is dynamic too. paged: the graph attends through
-    paged_attention's kernel (no key mask)."""
+    differs from start to start; with dynamic_batch the batch size is dynamic too. paged: the graph attends
+    through paged_attention's kernel (no key mask)."""
     kv_index = torch.zeros(bs, 2, dtype=torch.long)
     key_valid = None if bs == 1 or paged else torch.ones(bs, 1, 1, 2, dtype=torch.bool)
     per_request = [torch.zeros(bs, dtype=torch.long) for _ in range(3)]  # ids, positions, KV slots
@@ -141,7 +141,7 @@ def example_inputs(bs: int, kv_pool: TokenToKVPool, paged: bool) -> tuple:
     torch._dynamo.mark_dynamic(kv_index, 1)
     for buffer in (*kv_pool.k_buffer, *kv_pool.v_buffer):
         torch._dynamo.mark_dynamic(buffer, 0)
-    if bs > 1:
+    if dynamic_batch:
         if key_valid is not None:
             torch._dynamo.mark_dynamic(key_valid, 3)
         torch._dynamo.mark_dynamic(spans, 1)
@@ -150,12 +150,13 @@ def example_inputs(bs: int, kv_pool: TokenToKVPool, paged: bool) -> tuple:
     return (*per_request, kv_index, spans, key_valid, kv_pool.k_buffer, kv_pool.v_buffer)
 
 
-def compile_graph(model, kv_pool: TokenToKVPool, bs: int):
+def compile_graph(model, kv_pool: TokenToKVPool, bs: int, dynamic_batch: bool = True):
     """decode_step compiled ahead of time for bs's size class: a graph that can be saved and loaded without
-    tracing again (torch's aot_compile). Its guards are off once loaded: CompiledDecode picks the graph."""
+    tracing again (torch's aot_compile). Its guards are off once loaded: CompiledDecode picks the graph.
+    dynamic_batch: the class holds more batch sizes than bs (batch 1 is always a class of its own)."""
     step = torch.compile(decode_step, fullgraph=True, options=COMPILE_OPTIONS)
     with torch._dynamo.config.patch(enable_aot_compile=True), torch.inference_mode():
-        inputs = example_inputs(bs, kv_pool, uses_paged_kernel(model, kv_pool.dtype))
+        inputs = example_inputs(bs, kv_pool, uses_paged_kernel(model, kv_pool.dtype), bs > 1 and dynamic_batch)
         graph = step.aot_compile(((model, *inputs), {}))
     graph.disable_guard_check()
     return graph
@@ -163,7 +164,9 @@ def compile_graph(model, kv_pool: TokenToKVPool, bs: int):
 
 def compile_graphs(model, kv_pool: TokenToKVPool, sizes: list[int]) -> dict[int, object]:
     started = time.perf_counter()
-    graphs = {bs: compile_graph(model, kv_pool, bs) for bs in sizes}
+    # A class followed at once by the next holds one size: where the quantized kernels serve up to 2 rows, the
+    # class from 2 is just 2, and its `rows <= 2` would pin a dynamic batch size to 2, which torch refuses.
+    graphs = {bs: compile_graph(model, kv_pool, bs, bs + 1 not in sizes) for bs in sizes}
     logger.info("compiled decode for batch sizes %s in %.1f s", sizes, time.perf_counter() - started)
     return graphs
 

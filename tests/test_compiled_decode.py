@@ -136,3 +136,34 @@ def test_the_compiled_step_serves_any_pool_size(tiny_model_dirs):
                                 pool.k_buffer, pool.v_buffer))
     torch.testing.assert_close(logits[0], logits[1])
     assert pools[1].k_buffer[0][3].abs().sum() > 0  # the step wrote its key into the pool it was given
+
+
+def test_a_size_class_of_one_batch_size_compiles_static(tmp_path, private_cache):
+    """Where quantization=auto's kernels serve up to 2 rows, the classes are 1, 2 and 3+: the class from 2 holds
+    only 2, and its `rows <= 2` pins the batch size, which a dynamic graph refuses. It compiles static, and both
+    graphs above batch 1 give the eager step's logits."""
+    import torch
+
+    from furcate.runtime.cache.memory_pool import TokenToKVPool
+    from furcate.runtime.compiled_decode import compile_graphs, decode_step, size_classes
+    from furcate.runtime.serving_model import load_serving_model
+
+    gguf = str(build_tiny_gguf(tmp_path / "tiny-llama.gguf", find_default_gguf()))
+    model_dir = prepare_user_gguf(gguf)
+    model, quantized = load_serving_model(model_dir, torch.float32, "auto", graphs=True, quantized_rows=2)
+    assert quantized.max_rows == 2 and size_classes(4, quantized.max_rows) == [1, 2, 3]
+    attn = model.model.layers[0].self_attn
+    pool = TokenToKVPool(64, len(model.model.layers), attn.num_kv_heads, attn.head_dim, torch.float32, "cpu")
+    graphs = compile_graphs(model, pool, [2, 3])
+    with torch.inference_mode():
+        for bs, graph in graphs.items():
+            ids, positions, slots = torch.arange(5, 5 + bs), torch.full((bs,), 2), torch.arange(10, 10 + bs)
+            table = torch.stack([torch.tensor([1, 2, 10 + b]) for b in range(bs)])
+            spans = torch.stack([torch.arange(bs), torch.ones(bs, dtype=torch.long), torch.full((bs,), 2)])
+            for buffer in (*pool.k_buffer, *pool.v_buffer):
+                buffer[1:3] = 0.5
+            inputs = (model, ids, positions, slots, table, spans, None, pool.k_buffer, pool.v_buffer)
+            eager = decode_step(*inputs)  # writes the same K/V the graph then writes again
+            got = graph(*inputs)
+            assert got.shape[0] == bs
+            torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)

@@ -25,7 +25,7 @@ from benchmarks import peers_report
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_FILES = ("peers", "peers_1b", "peers_1b_quantized", "peers_vllm", "peers_no_bf16", "peers_1b_quantized_no_bf16",
-              "peers_epyc")
+              "peers_epyc", "peers_1b_quantized_epyc")
 
 
 def pinned(package: str) -> str:

@@ -189,9 +189,9 @@ def quantized_linear(weights: BlockWeights, bias: torch.Tensor | None, for_graph
     """The block GEMV kernel where it is built and the rows are whole pairs of groups; torch's kernels else.
     for_graphs (compiled decode): 4-bit layers take torch's int4 kernel where block_gemv's op runs its Python
     kernel, whose call cost more than it saved on small layers (measured on the default model: the compiled step
-    took 16.8 ms with it, 14.2 ms without); with its C++ kernel (block_gemv_op.cpp) the step took 3.4-3.6 ms
-    against int4's 4.2-4.7 (AMD EPYC with avx512_bf16, 2026-12-06). Q8_0 layers always take it (a faster kernel
-    than torch's int8, and GGUF's own blocks rather than a requantized row)."""
+    took 16.8 ms with it, 14.2 ms without); with its C++ kernel (block_gemv_op.cpp) the step took 3.4-3.6 ms (one
+    run of four: 4.2) against int4's 4.5-4.7 (AMD EPYC with avx512_bf16, 2026-12-06). Q8_0 layers always take it
+    (a faster kernel than torch's int8, and GGUF's own blocks rather than a requantized row)."""
     if for_graphs and weights.kind in INT4_TYPES and not (block_gemv.available() and block_gemv.native_op()):
         return Int4Linear(weights, bias)
     if (block_gemv.available() and weights.q.shape[1] % block_gemv.PAIR == 0

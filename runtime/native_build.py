@@ -110,6 +110,15 @@ def register_op_kernel(library: torch.library.Library, name: str, source: pathli
     return not isinstance(built, str)
 
 
+def available_with_op(library: object, native_op: Callable[[], bool]) -> bool:
+    """Whether a C kernel is built (library: its library, or why there is none); where it is, its op is given its
+    CPU kernel first (native_op, cached, registers it)."""
+    if isinstance(library, str):
+        return False
+    native_op()
+    return True
+
+
 def failure_reason(error: OSError | subprocess.SubprocessError) -> str:
     """What a failed build or load says: the compiler's errors where it ran."""
     return (getattr(error, "stderr", None) or str(error)).strip()

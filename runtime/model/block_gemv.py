@@ -69,10 +69,7 @@ def library() -> ctypes.CDLL | str:
 
 def available() -> bool:
     """Whether the kernel is built (and then its op has its CPU kernel)."""
-    if isinstance(library(), str):
-        return False
-    native_op()
-    return True
+    return native_build.available_with_op(library(), native_op)
 
 
 @functools.cache

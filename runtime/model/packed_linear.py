@@ -163,13 +163,13 @@ def gemv_takes(layer: PackedLinear) -> bool:
 def take_gemv_where_it_wins(packed: list[PackedLinear]) -> None:
     """One row runs the dense GEMV on the layers where it measured faster than the packed copy, per dtype and
     weight shape (kernel_choice.gemv_choice; FURCATE_DENSE_GEMV=0: nowhere, =1: everywhere it takes)."""
+    from .kernel_choice import gemv_choice
+
     switch = os.environ.get("FURCATE_DENSE_GEMV")
     for dtype in (torch.float32, torch.bfloat16):
         layers = [layer for layer in packed if layer.weight.dtype == dtype and gemv_takes(layer)]
         if not layers or switch == "0":
             continue
-        from .kernel_choice import gemv_choice
-
         for layer, wins in zip(layers, [True] * len(layers) if switch == "1" else gemv_choice(layers)):
             layer.serve_from(layer.from_rows, wins)
 

@@ -31,18 +31,12 @@ def gguf_facts(path: str) -> dict:
 
 def step_bytes(models: dict) -> dict[str, dict[str, float]]:
     """Weight bytes one decode step reads, per precision and system: the GGUF tensor bytes for llama.cpp, params x
-    element size for float weights, and for furcate quantized its int4 kernel's operands (4 bits per weight plus a
-    bfloat16 scale and zero per 32) or its int8 rows (one bfloat16 scale per row), bfloat16 for the rest."""
+    element size for float weights, and for furcate quantized its block GEMV rows (the weights' bits, a float16
+    scale per 32 and, for Q4_1 and Q4_K, a float16 offset per 32), bfloat16 for the rest."""
     source = gguf_facts(models["ggufs"]["source"])
     params = sum(n for _, _, n, _ in source["tensors"])
-    quantized = 0.0
-    for _, kind, n, _ in source["tensors"]:
-        if kind in ("Q4_0", "Q4_1"):
-            quantized += n / 2 + n / 32 * 4
-        elif kind == "Q8_0":
-            quantized += n + n / source["fields"]["llama.embedding_length"] * 2
-        else:
-            quantized += n * 2
+    bits_per_weight = {"Q4_0": 4.5, "Q4_1": 5, "Q4_K": 5, "Q8_0": 8.5}
+    quantized = sum(n * bits_per_weight.get(kind, 16) / 8 for _, kind, n, _ in source["tensors"])
     llama = {p: sum(b for *_, b in gguf_facts(models["ggufs"][p])["tensors"]) for p in ("F32", "BF16", "source")}
     table = {"float32": 4 * params, "bfloat16": 2 * params}
     out = {p: {s: table[p] for s in (*OURS, "vllm", "hf")} for p in table}

@@ -1,7 +1,8 @@
 """block_gemv.c on every vector path this CPU can run (AVX512-VNNI, AVX2, plain C): GGUF blocks times activations
 coded as two int8 digits equal a float64 matmul of the dequantized weights to float32 noise, for 4- and 8-bit
-blocks, float32 and bfloat16 activations, any row count and rows that do not fill a block; files whose factors
-are no float16 numbers and machines without a compiler keep torch's kernels."""
+blocks, with stored offsets (Q4_1) or offsets derived from the scales (Q4_0, Q8_0: symmetric rows), float32 and
+bfloat16 activations, any row count and rows that do not fill a block; files whose factors are no float16 numbers
+and machines without a compiler keep torch's kernels."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> BlockWeights:
     scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
     if kind == "Q8_0":
         return BlockWeights(kind, rng.integers(-127, 128, (n, k)).astype(np.int32), scale, np.zeros_like(scale))
-    offset = (rng.normal(size=scale.shape) * 0.02).astype(np.float16).astype(np.float32)
+    # Q4_0 as GGUF decodes it (read_blocks): -8 scales, so its rows pack symmetric.
+    offset = -8 * scale if kind == "Q4_0" else (rng.normal(size=scale.shape) * 0.02).astype(np.float16).astype(
+        np.float32)
     return BlockWeights(kind, rng.integers(0, 16, (n, k)).astype(np.int32), scale, offset)
 
 
@@ -71,14 +74,37 @@ def test_the_kernel_equals_a_matmul_of_the_dequantized_weights(kernel, kind, row
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
     x[0, 3] = 40.0  # an outlier in one group: the other 31 keep their precision through the second digit
     reference = x.double() @ blocks.dequantize().double().T
-    got = block_gemv.gemv(x, layer.packed, n, layer.bits, kernel)
+    assert layer.symmetric == (kind != "Q4_1")
+    got = block_gemv.gemv(x, layer.packed, n, layer.bits, layer.symmetric, kernel)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     # The second digit's step is 1/16256 of a group's largest activation: float32-level error, not int8's.
     assert (got.double() - reference).abs().max() <= 1e-3 * reference.abs().max()
-    rounded = block_gemv.gemv(x.bfloat16(), layer.packed, n, layer.bits, kernel)
+    rounded = block_gemv.gemv(x.bfloat16(), layer.packed, n, layer.bits, layer.symmetric, kernel)
     expected = x.bfloat16().double() @ blocks.dequantize().double().T
     assert rounded.dtype == torch.bfloat16
     assert (rounded.double() - expected).abs().max() <= 8e-3 * expected.abs().max()  # the bfloat16 result
+
+
+@pytest.mark.parametrize("kind, bits_per_weight", [("Q4_0", 4.5), ("Q8_0", 8.5)])
+def test_symmetric_rows_read_the_gguf_bytes_and_compute_what_stored_offsets_do(kernel, kind, bits_per_weight):
+    """Q4_0's and Q8_0's offsets are -8 and -128 scales: left out, a row is the GGUF's size (Q4_1's 5 bits a
+    weight would be 11% more for Q4_0), and the kernel, which then takes scale * (dx * dot - zero * sum) per group,
+    computes what it does with the offsets stored, to float32 rounding (the bfloat16 result's own rounding)."""
+    blocks = random_blocks(kind, 40, 576, seed=3)
+    unsigned, offset = BlockGemvLinear.unsigned(blocks)
+    bits = 4 if kind == "Q4_0" else 8
+    assert block_gemv.symmetric(blocks.scale, offset, bits)
+    compact = block_gemv.pack(unsigned, blocks.scale, offset, bits, symmetric=True)
+    stored = block_gemv.pack(unsigned, blocks.scale, offset, bits)
+    assert compact.numel() * 8 == 40 * 576 * bits_per_weight < stored.numel() * 8
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+        x = torch.randn(3, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
+        got = block_gemv.gemv(x, compact, 40, bits, True, kernel).double()
+        expected = block_gemv.gemv(x, stored, 40, bits, False, kernel).double()
+        assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+    one_off = offset.copy()
+    one_off[7, 2] += blocks.scale[7, 2]  # one group whose offset is not -2^(bits-1) scales keeps stored offsets
+    assert not block_gemv.symmetric(blocks.scale, one_off, bits)
 
 
 def test_the_module_keeps_shape_dtype_and_bias():
@@ -134,7 +160,8 @@ def test_without_a_cpp_compiler_the_ops_run_their_python_kernels(tmp_path):
               " packed_linear.native_kernel(), type(layer).__name__)\n"
               "g = quantized.BlockGemvLinear(w, None)\n"
               "x = torch.randn(2, 64)\n"
-              "print(torch.equal(block_gemv.gemv_op(x, g.packed, 16, 4), block_gemv.gemv(x, g.packed, 16, 4)))\n"
+              "print(torch.equal(block_gemv.gemv_op(x, g.packed, 16, 4, False),"
+              " block_gemv.gemv(x, g.packed, 16, 4)))\n"
               "q, k, v = torch.randn(1, 2, 16), torch.randn(8, 1, 16), torch.randn(8, 1, 16)\n"
               "spans = paged_attention.spans(torch.tensor([0]), torch.tensor([1]), torch.tensor([4]))\n"
               "table = torch.arange(8).view(1, 8)\n"
@@ -173,32 +200,33 @@ def test_weights_of_the_wrong_size_are_refused_before_the_kernel_reads_them():
         layer(torch.randn(1, 128))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_op_gives_the_eager_calls_bits(kind, rows, dtype):
     """furcate::block_gemv, as a compiled step calls it (block_gemv_op.cpp's kernel where it builds), computes
     what the eager ctypes call does."""
     layer = BlockGemvLinear(random_blocks(kind, 35, 576, seed=rows), None)
+    args = (35, layer.bits, layer.symmetric)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    assert torch.equal(block_gemv.gemv_op(x, layer.packed, 35, layer.bits),
-                       block_gemv.gemv(x, layer.packed, 35, layer.bits))
+    assert torch.equal(block_gemv.gemv_op(x, layer.packed, *args), block_gemv.gemv(x, layer.packed, *args))
     wide = torch.randn(rows, 1152).to(dtype)[:, ::2]  # a strided view is read as the values it shows
-    assert torch.equal(block_gemv.gemv_op(wide, layer.packed, 35, layer.bits),
-                       block_gemv.gemv(wide.contiguous(), layer.packed, 35, layer.bits))
+    assert torch.equal(block_gemv.gemv_op(wide, layer.packed, *args),
+                       block_gemv.gemv(wide.contiguous(), layer.packed, *args))
 
 
 def test_the_op_refuses_what_it_cannot_read():
     layer = BlockGemvLinear(random_blocks("Q4_1", 16, 128, 0), None)
-    for x, weight, bits, message in (
-            (torch.randn(1, 128), layer.packed.new_empty(0), 4, "weights released"),
-            (torch.randn(1, 128), layer.packed, 8, "not the"),
-            (torch.randn(1, 128).double(), layer.packed, 4, "float32 or bfloat16"),
-            (torch.randn(2, 1, 128), layer.packed, 4, "float32 or bfloat16"),
-            (torch.randn(1, 96), layer.packed, 4, "multiple of 64"),
-            (torch.randn(1, 128), layer.packed, 3, "4- or 8-bit")):
+    for x, weight, bits, symmetric, message in (
+            (torch.randn(1, 128), layer.packed.new_empty(0), 4, False, "weights released"),
+            (torch.randn(1, 128), layer.packed, 8, False, "not the"),
+            (torch.randn(1, 128), layer.packed, 4, True, "not the"),  # stored offsets read as symmetric rows
+            (torch.randn(1, 128).double(), layer.packed, 4, False, "float32 or bfloat16"),
+            (torch.randn(2, 1, 128), layer.packed, 4, False, "float32 or bfloat16"),
+            (torch.randn(1, 96), layer.packed, 4, False, "multiple of 64"),
+            (torch.randn(1, 128), layer.packed, 3, False, "4- or 8-bit")):
         with pytest.raises(ValueError, match=message):
-            block_gemv.gemv_op(x, weight, 16, bits)
+            block_gemv.gemv_op(x, weight, 16, bits, symmetric)
 
 
 def test_compiled_decode_takes_the_block_kernel_where_its_op_runs_in_cpp():

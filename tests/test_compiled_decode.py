@@ -14,6 +14,11 @@ from test_greedy_matches_hf import generate_staggered, make_prompts
 from tiny_gguf import build_tiny_gguf
 
 BF16_NOISE = 0.15  # logprob differences bfloat16 makes between the two paths here
+# Logit differences (of logits up to ~10) between two float32 runs of the tiny GGUF model on the block kernel: it
+# codes each group of activations in ~15 bits, so where inductor's elementwise rounding differs from eager's by an
+# ulp a code can step, and 3 random layers amplify that; measured up to 2.7e-3, and as much between two packings of
+# the same weights whose products agree to 1e-5 (Q4_0 with offsets stored or derived).
+ACTIVATION_CODING = 1e-2
 COMPILED = {"enable_torch_compile": True, "torch_num_threads": 2, **NO_GRAMMAR}
 
 
@@ -166,4 +171,4 @@ def test_a_size_class_of_one_batch_size_compiles_static(tmp_path, private_cache)
             eager = decode_step(*inputs)  # writes the same K/V the graph then writes again
             got = graph(*inputs)
             assert got.shape[0] == bs
-            torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got, eager, rtol=0, atol=ACTIVATION_CODING)

@@ -5,7 +5,9 @@
  *
  * Weights: w[n, k] = u[n, k] * scale[n, g] + offset[n, g], g = k / 32, u unsigned (4-bit: 0..15; 8-bit: Q8_0's
  * signed q plus 128, its offset -128 * scale); each pair has (scale A, scale B, offset A, offset B) as float16 (GGUF's
- * own precision for Q4_0, Q4_1 and Q8_0; Q4_K's products round once). Rows are stored in pairs of groups (64 weights), their bytes in
+ * own precision for Q4_0, Q4_1 and Q8_0; Q4_K's products round once). Symmetric rows (Q4_0, Q8_0: the offset is
+ * always -2^(bits-1) scales) store only (scale A, scale B), so a row reads what the GGUF holds: 4.5 bits a weight
+ * for Q4_0 where stored offsets would make it 5, 8.5 for Q8_0 where they would make it 9. Rows are stored in pairs of groups (64 weights), their bytes in
  * "position" order: position j holds the weight at k = 32 * (lane & 1) + 4 * (lane >> 1) + (j & 3), lane = j / 4,
  * so 4-byte lanes alternate between the pair's two groups and one vector of products carries both groups, each
  * lane's sum belonging to one group's scale. 4-bit rows hold position j in the low nibble of byte j and position
@@ -44,6 +46,9 @@ static inline int position_k(int j) {
     int lane = j >> 2;
     return 32 * (lane & 1) + 4 * (lane >> 1) + (j & 3);
 }
+
+/* Bytes of float16 factors a row keeps per pair: two scales, and two offsets unless the rows are symmetric. */
+static inline int factor_bytes(int symmetric) { return symmetric ? 4 : 8; }
 
 static inline float bf16_to_float(uint16_t b) {
     uint32_t bits = (uint32_t)b << 16;
@@ -152,10 +157,25 @@ static inline __m512i pair_dot(const uint8_t *w, int bits, __m512i first, __m512
     return _mm512_dpbusd_epi32(high, u, second);
 }
 
-static inline __attribute__((always_inline)) void dot_rows(const uint8_t *block, int P, int bits, const int8_t *xq,
-                                                          const float *dx_lanes, const float *sum_lanes,
-                                                          float *result) {
-    int pair_bytes = 8 * bits, stride = ROWS * (pair_bytes + 8);
+/* acc + one row's pair: scale * dx * dot + offset * sum per group. A symmetric row's offset is -zero scales, so
+ * that is scale * (dx * dot - zero * sum), zero * sum computed once a pair for all rows (zsums). */
+static inline __m512 accumulate(__m512 acc, __m512 dot, const uint8_t *factors, int symmetric, __m512 dx,
+                                __m512 sums, __m512 zsums) {
+    if (symmetric) {
+        int32_t raw;
+        memcpy(&raw, factors, 4);
+        __m512 s = _mm512_broadcast_f32x2(_mm_cvtph_ps(_mm_cvtsi32_si128(raw)));
+        return _mm512_fmadd_ps(s, _mm512_fmsub_ps(dot, dx, zsums), acc);
+    }
+    __m128 so = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)factors));
+    __m512 s = _mm512_broadcast_f32x2(so), o = _mm512_broadcast_f32x2(_mm_movehl_ps(so, so));
+    return _mm512_fmadd_ps(o, sums, _mm512_fmadd_ps(dot, _mm512_mul_ps(s, dx), acc));
+}
+
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *block, int P, int bits, int symmetric,
+                                                          const int8_t *xq, const float *dx_lanes,
+                                                          const float *sum_lanes, float *result) {
+    int pair_bytes = 8 * bits, factors = factor_bytes(symmetric), stride = ROWS * (pair_bytes + factors);
     __m512 acc[ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int p = 0; p < P; p++) {
@@ -163,13 +183,11 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *block,
         for (int line = 0; line < stride; line += 64) _mm_prefetch((const char *)block + (size_t)(p + PREFETCH) * stride + line, _MM_HINT_T0);
         __m512i first = _mm512_loadu_si512(xq + 128 * p), second = _mm512_loadu_si512(xq + 128 * p + 64);
         __m512 dx = _mm512_loadu_ps(dx_lanes + 16 * p), sums = _mm512_loadu_ps(sum_lanes + 16 * p);
+        __m512 zsums = _mm512_mul_ps(sums, _mm512_set1_ps((float)(1 << (bits - 1))));
         for (int r = 0; r < ROWS; r++) {
             const uint8_t *pair = block + (size_t)p * stride;
-            __m512i d = pair_dot(pair + r * pair_bytes, bits, first, second);
-            __m128 so = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(pair + ROWS * pair_bytes + 8 * r)));
-            __m512 s = _mm512_broadcast_f32x2(so), o = _mm512_broadcast_f32x2(_mm_movehl_ps(so, so));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, dx), acc[r]);
-            acc[r] = _mm512_fmadd_ps(o, sums, acc[r]);
+            __m512 dot = _mm512_cvtepi32_ps(pair_dot(pair + r * pair_bytes, bits, first, second));
+            acc[r] = accumulate(acc[r], dot, pair + ROWS * pair_bytes + factors * r, symmetric, dx, sums, zsums);
         }
     }
     for (int r = 0; r < ROWS; r++) result[r] = _mm512_reduce_add_ps(acc[r]);
@@ -211,23 +229,36 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-static inline __attribute__((always_inline)) void dot_rows(const uint8_t *block, int P, int bits, const int8_t *xq,
-                                                          const float *dx_lanes, const float *sum_lanes,
-                                                          float *result) {
-    int pair_bytes = 8 * bits, stride = ROWS * (pair_bytes + 8);
+static inline __m256 broadcast_pair(__m128 v) { return _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(v))); }
+
+/* As the AVX512 path's accumulate. */
+static inline __m256 accumulate(__m256 acc, __m256 dot, const uint8_t *factors, int symmetric, __m256 dx,
+                                __m256 sums, __m256 zsums) {
+    if (symmetric) {
+        int32_t raw;
+        memcpy(&raw, factors, 4);
+        __m256 s = broadcast_pair(_mm_cvtph_ps(_mm_cvtsi32_si128(raw)));
+        return _mm256_fmadd_ps(s, _mm256_fmsub_ps(dot, dx, zsums), acc);
+    }
+    __m128 so = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)factors));
+    __m256 s = broadcast_pair(so), o = broadcast_pair(_mm_movehl_ps(so, so));
+    return _mm256_fmadd_ps(o, sums, _mm256_fmadd_ps(dot, _mm256_mul_ps(s, dx), acc));
+}
+
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *block, int P, int bits, int symmetric,
+                                                          const int8_t *xq, const float *dx_lanes,
+                                                          const float *sum_lanes, float *result) {
+    int pair_bytes = 8 * bits, factors = factor_bytes(symmetric), stride = ROWS * (pair_bytes + factors);
     __m256 acc[ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int p = 0; p < P; p++) {
         for (int line = 0; line < stride; line += 64) _mm_prefetch((const char *)block + (size_t)(p + PREFETCH) * stride + line, _MM_HINT_T0);
         __m256 dx = _mm256_loadu_ps(dx_lanes + 8 * p), sums = _mm256_loadu_ps(sum_lanes + 8 * p);
+        __m256 zsums = _mm256_mul_ps(sums, _mm256_set1_ps((float)(1 << (bits - 1))));
         for (int r = 0; r < ROWS; r++) {
             const uint8_t *pair = block + (size_t)p * stride;
-            __m256i d = pair_dot(pair + r * pair_bytes, bits, xq + 128 * p);
-            __m128 so = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(pair + ROWS * pair_bytes + 8 * r)));
-            __m256 s = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(so)));
-            __m256 o = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(_mm_movehl_ps(so, so))));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s, dx), acc[r]);
-            acc[r] = _mm256_fmadd_ps(o, sums, acc[r]);
+            __m256 dot = _mm256_cvtepi32_ps(pair_dot(pair + r * pair_bytes, bits, xq + 128 * p));
+            acc[r] = accumulate(acc[r], dot, pair + ROWS * pair_bytes + factors * r, symmetric, dx, sums, zsums);
         }
     }
     for (int r = 0; r < ROWS; r++) result[r] = sum8(acc[r]);
@@ -246,22 +277,24 @@ static inline int weight_at(const uint8_t *pair, int bits, int j) {
     return j < 32 ? (pair[j] & 15) : (pair[j - 32] >> 4);
 }
 
-static inline __attribute__((always_inline)) void dot_rows(const uint8_t *block, int P, int bits, const int8_t *xq,
-                                                          const float *dx_lanes, const float *sum_lanes,
-                                                          float *result) {
-    int pair_bytes = 8 * bits, stride = ROWS * (pair_bytes + 8);
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *block, int P, int bits, int symmetric,
+                                                          const int8_t *xq, const float *dx_lanes,
+                                                          const float *sum_lanes, float *result) {
+    int pair_bytes = 8 * bits, factors = factor_bytes(symmetric), stride = ROWS * (pair_bytes + factors);
     for (int r = 0; r < ROWS; r++) {
         float acc = 0.f;
         for (int p = 0; p < P; p++) {
             const uint8_t *pair = block + (size_t)p * stride;
             uint16_t so[4];
-            memcpy(so, pair + ROWS * pair_bytes + 8 * r, 8);
+            memcpy(so, pair + ROWS * pair_bytes + factors * r, factors);
             int32_t dot[2] = {0, 0};
             for (int j = 0; j < 64; j++) dot[(j >> 2) & 1] += weight_at(pair + r * pair_bytes, bits, j) *
                                                     (DIGIT * xq[128 * p + j] + xq[128 * p + 64 + j]);
-            for (int h = 0; h < 2; h++)
-                acc += half_to_float(so[h]) * dx_lanes[2 * p + h] * (float)dot[h] +
-                       half_to_float(so[2 + h]) * sum_lanes[2 * p + h] * (LANES / 2);
+            for (int h = 0; h < 2; h++) {
+                float scale = half_to_float(so[h]), dx = dx_lanes[2 * p + h], sum = sum_lanes[2 * p + h] * (LANES / 2);
+                acc += symmetric ? scale * (dx * (float)dot[h] - (float)(1 << (bits - 1)) * sum)
+                                 : scale * dx * (float)dot[h] + half_to_float(so[2 + h]) * sum;
+            }
         }
         result[r] = acc;
     }
@@ -270,13 +303,13 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *block,
 
 /* out[m, n] (M x N, float32 or bfloat16) = x[m, :] . w[n, :] for x M x K (float32 or bfloat16), K a multiple of
  * 64. w: blocks of ROWS rows (N padded with zero rows), each a run of the rows' pairs: pair p of every row of the
- * block, then each row's float16 (scale A, scale B, offset A, offset B) of that pair; one stream a thread reads
- * front to back. scratch: 2 * M * K bytes for the quantized activations; lane_scratch: 2 * M * (K / 64) * LANES
- * floats. */
-void block_gemv(const void *x, int x_bf16, int M, int K, int N, const uint8_t *w, int bits, void *out, int out_bf16,
-                int8_t *scratch, float *lane_scratch, int threads) {
+ * block, then each row's float16 (scale A, scale B, offset A, offset B) of that pair, or (scale A, scale B) where
+ * symmetric; one stream a thread reads front to back. scratch: 2 * M * K bytes for the quantized activations;
+ * lane_scratch: 2 * M * (K / 64) * LANES floats. */
+void block_gemv(const void *x, int x_bf16, int M, int K, int N, const uint8_t *w, int bits, int symmetric, void *out,
+                int out_bf16, int8_t *scratch, float *lane_scratch, int threads) {
     int pairs = K / 64;
-    size_t block_bytes = (size_t)pairs * ROWS * (8 * bits + 8), lanes = (size_t)pairs * LANES;
+    size_t block_bytes = (size_t)pairs * ROWS * (8 * bits + factor_bytes(symmetric)), lanes = (size_t)pairs * LANES;
     float *dx_lanes = lane_scratch, *sum_lanes = lane_scratch + (size_t)M * lanes;
     size_t x_row_bytes = (size_t)K * (x_bf16 ? 2 : 4);
     for (int m = 0; m < M; m++)
@@ -289,9 +322,13 @@ void block_gemv(const void *x, int x_bf16, int M, int K, int N, const uint8_t *w
         float result[ROWS];
         for (int m = 0; m < M; m++) {
             const int8_t *xq = scratch + (size_t)m * 2 * K;
-            /* A constant width lets the compiler drop the branches on it. */
-            if (bits == 4) dot_rows(w + b * block_bytes, pairs, 4, xq, dx_lanes + m * lanes, sum_lanes + m * lanes, result);
-            else dot_rows(w + b * block_bytes, pairs, 8, xq, dx_lanes + m * lanes, sum_lanes + m * lanes, result);
+            const uint8_t *rows = w + b * block_bytes;
+            const float *dx = dx_lanes + m * lanes, *sums = sum_lanes + m * lanes;
+            /* Constant widths and layouts let the compiler drop the branches on them. */
+            if (bits == 4 && symmetric) dot_rows(rows, pairs, 4, 1, xq, dx, sums, result);
+            else if (bits == 4) dot_rows(rows, pairs, 4, 0, xq, dx, sums, result);
+            else if (symmetric) dot_rows(rows, pairs, 8, 1, xq, dx, sums, result);
+            else dot_rows(rows, pairs, 8, 0, xq, dx, sums, result);
             for (int r = 0; r < count; r++) {
                 size_t at = (size_t)m * N + n0 + r;
                 if (out_bf16) ((uint16_t *)out)[at] = float_to_bf16(result[r]);

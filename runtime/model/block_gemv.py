@@ -46,8 +46,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib = native_build.load(SOURCE, extra_flags)
     lib.block_gemv.restype = None
     lib.block_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_int]
+                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -86,10 +86,18 @@ def isa() -> str:
     return lib if isinstance(lib, str) else ISA_NAMES[lib.block_gemv_isa()]
 
 
-def pack(u: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int) -> torch.Tensor:
+def symmetric(scale: np.ndarray, offset: np.ndarray, bits: int) -> bool:
+    """Whether every offset is -2**(bits - 1) of its scale in float16 (Q4_0's and Q8_0's always are), so pack()
+    can leave the offsets out and the kernel derive them, to the same float32 numbers."""
+    derived = (scale.astype(np.float16).astype(np.float32) * -(1 << (bits - 1))).astype(np.float16)
+    return bool(np.array_equal(derived, offset.astype(np.float16)))
+
+
+def pack(u: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int, symmetric: bool = False) -> torch.Tensor:
     """u [N, K] unsigned weights (below 2**bits), scale and offset [N, K / 32] -> the kernel's bytes: blocks of
     ROWS rows (zero rows pad N), each pair of groups holding the block's rows' weights in position order, then
-    their float16 (scale A, scale B, offset A, offset B); fits() says whether those are float16 numbers."""
+    their float16 (scale A, scale B, offset A, offset B), or (scale A, scale B) where symmetric (see symmetric());
+    fits() says whether those are float16 numbers."""
     n, k = u.shape
     blocks, pairs = -(-n // ROWS), k // PAIR
     padded = blocks * ROWS
@@ -97,18 +105,20 @@ def pack(u: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int) -> tor
     positions[:n] = u.reshape(n, pairs, PAIR)[:, :, POSITION_K]
     if bits == 4:
         positions = positions[:, :, :32] | (positions[:, :, 32:] << 4)
-    factors = np.zeros((padded, pairs, 4), dtype=np.float16)
-    factors[:n] = np.concatenate([scale.reshape(n, pairs, 2), offset.reshape(n, pairs, 2)], axis=-1)
+    stored = [scale] if symmetric else [scale, offset]
+    factors = np.zeros((padded, pairs, 2 * len(stored)), dtype=np.float16)
+    factors[:n] = np.concatenate([a.reshape(n, pairs, 2) for a in stored], axis=-1)
     # [block, row, pair, bytes] -> [block, pair, row, bytes], weights then factors
     weights = positions.reshape(blocks, ROWS, pairs, -1).transpose(0, 2, 1, 3).reshape(blocks, pairs, -1)
-    factor_bytes = factors.view(np.uint8).reshape(blocks, ROWS, pairs, 8).transpose(0, 2, 1, 3)
+    factor_bytes = factors.view(np.uint8).reshape(blocks, ROWS, pairs, -1).transpose(0, 2, 1, 3)
     return torch.from_numpy(np.concatenate([weights, factor_bytes.reshape(blocks, pairs, -1)], axis=-1)
                             .reshape(blocks, -1))
 
 
-def packed_bytes(n: int, k: int, bits: int) -> int:
-    """What pack() writes for n rows of k weights: whole blocks of ROWS rows, each pair with 8 bytes of factors."""
-    return -(-n // ROWS) * ROWS * (k // PAIR) * (8 * bits + 8)
+def packed_bytes(n: int, k: int, bits: int, symmetric: bool = False) -> int:
+    """What pack() writes for n rows of k weights: whole blocks of ROWS rows, each pair with 8 bytes of factors
+    (4 where symmetric)."""
+    return -(-n // ROWS) * ROWS * (k // PAIR) * (8 * bits + (4 if symmetric else 8))
 
 
 def fits(scale: np.ndarray, offset: np.ndarray) -> bool:
@@ -129,25 +139,26 @@ def scratch(nbytes: int) -> int:
     return buffer.data_ptr()
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int,
+def gemv(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int, symmetric: bool = False,
          kernel: Callable[..., None] | None = None) -> torch.Tensor:
-    """x [M, K] (float32 or bfloat16, contiguous) times the n packed rows: [M, n] in x's dtype. kernel: another
-    build's block_gemv (load(...).block_gemv) in place of the engine's."""
+    """x [M, K] (float32 or bfloat16, contiguous) times the n rows pack() wrote: [M, n] in x's dtype. kernel:
+    another build's block_gemv (load(...).block_gemv) in place of the engine's."""
     m, k = x.shape
-    if weight.numel() != packed_bytes(n, k, bits):  # released weights (RL) or a foreign tensor: no C read past it
-        raise ValueError(f"block GEMV weights hold {weight.numel()} bytes, not the {packed_bytes(n, k, bits)} of "
-                         f"{n} rows of {k} {bits}-bit weights (weights released?)")
+    expected = packed_bytes(n, k, bits, symmetric)
+    if weight.numel() != expected:  # released weights (RL) or a foreign tensor: no C read past it
+        raise ValueError(f"block GEMV weights hold {weight.numel()} bytes, not the {expected} of {n} rows of {k} "
+                         f"{bits}-bit weights (weights released?)")
     out = torch.empty(m, n, dtype=x.dtype)
     activations = scratch(2 * m * k + 8 * m * (k // PAIR) * LANE_FLOATS)
     bf16 = x.dtype == torch.bfloat16
     lanes = activations + 2 * m * k  # after the two digits of each activation
-    (kernel or _kernel)(x.data_ptr(), bf16, m, k, n, weight.data_ptr(), bits, out.data_ptr(), bf16, activations,
-                        lanes, torch.get_num_threads())
+    (kernel or _kernel)(x.data_ptr(), bf16, m, k, n, weight.data_ptr(), bits, symmetric, out.data_ptr(), bf16,
+                        activations, lanes, torch.get_num_threads())
     return out
 
 
-def _op_kernel(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    return gemv(x.contiguous(), weight, n, bits)
+def _op_kernel(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int, symmetric: bool) -> torch.Tensor:
+    return gemv(x.contiguous(), weight, n, bits, symmetric)
 
 
 # gemv as an op a compiled graph can hold: furcate::block_gemv. Defined with the low-level registration, a CPU
@@ -155,11 +166,11 @@ def _op_kernel(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int) -> torc
 # _op_kernel), because torch.library.custom_op's wrappers cost ~7 us more a call (one in six milliseconds of the
 # default model's compiled step).
 _LIBRARY = torch.library.Library("furcate", "FRAGMENT")
-_LIBRARY.define("block_gemv(Tensor x, Tensor weight, int n, int bits) -> Tensor")
+_LIBRARY.define("block_gemv(Tensor x, Tensor weight, int n, int bits, bool symmetric) -> Tensor")
 
 
 @torch.library.register_fake("furcate::block_gemv")
-def _(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int, symmetric: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 
 

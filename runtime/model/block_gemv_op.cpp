@@ -8,15 +8,15 @@
 
 #include <cstdint>
 
-extern "C" void block_gemv(const void* x, int x_bf16, int M, int K, int N, const uint8_t* w, int bits, void* out,
-                           int out_bf16, int8_t* scratch, float* lane_scratch, int threads);
+extern "C" void block_gemv(const void* x, int x_bf16, int M, int K, int N, const uint8_t* w, int bits, int symmetric,
+                           void* out, int out_bf16, int8_t* scratch, float* lane_scratch, int threads);
 
 namespace {
 
 constexpr int64_t kRows = 4, kPair = 64, kLaneFloats = 16;  // block_gemv.py's ROWS, PAIR and LANE_FLOATS
 
-int64_t packed_bytes(int64_t n, int64_t k, int64_t bits) {
-  return (n + kRows - 1) / kRows * kRows * (k / kPair) * (8 * bits + 8);
+int64_t packed_bytes(int64_t n, int64_t k, int64_t bits, bool symmetric) {
+  return (n + kRows - 1) / kRows * kRows * (k / kPair) * (8 * bits + (symmetric ? 4 : 8));
 }
 
 // A reusable buffer per thread for the quantized activations and their lanes (as block_gemv.py's scratch()).
@@ -28,7 +28,7 @@ uint8_t* scratch(int64_t nbytes) {
   return buffer.data_ptr<uint8_t>();
 }
 
-at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, int64_t n, int64_t bits) {
+at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, int64_t n, int64_t bits, bool symmetric) {
   TORCH_CHECK_VALUE(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
                     "block GEMV takes float32 or bfloat16 activations [M, K], not ", x_in.scalar_type(), " ",
                     x_in.sizes());
@@ -37,13 +37,13 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, int64_t n, int
                     "block GEMV takes 4- or 8-bit packed rows of a multiple of ", kPair, " weights");
   auto x = x_in.contiguous();
   int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK_VALUE(weight.numel() == packed_bytes(n, k, bits), "block GEMV weights hold ", weight.numel(),
-                    " bytes, not the ", packed_bytes(n, k, bits), " of ", n, " rows of ", k, " ", bits,
-                    "-bit weights (weights released?)");
+  int64_t expected = packed_bytes(n, k, bits, symmetric);
+  TORCH_CHECK_VALUE(weight.numel() == expected, "block GEMV weights hold ", weight.numel(), " bytes, not the ",
+                    expected, " of ", n, " rows of ", k, " ", bits, "-bit weights (weights released?)");
   auto out = at::empty({m, n}, x.options());
   uint8_t* activations = scratch(2 * m * k + 8 * m * (k / kPair) * kLaneFloats);
   bool bf16 = x.scalar_type() == at::kBFloat16;
-  block_gemv(x.data_ptr(), bf16, m, k, n, weight.data_ptr<uint8_t>(), bits, out.data_ptr(), bf16,
+  block_gemv(x.data_ptr(), bf16, m, k, n, weight.data_ptr<uint8_t>(), bits, symmetric, out.data_ptr(), bf16,
              reinterpret_cast<int8_t*>(activations), reinterpret_cast<float*>(activations + 2 * m * k),
              at::get_num_threads());
   return out;

@@ -161,7 +161,9 @@ class BlockGemvLinear(nn.Module):
         self.out_features, self.in_features = weights.q.shape
         self.bits = 4 if weights.kind in INT4_TYPES else 8
         unsigned, offset = self.unsigned(weights)
-        self.register_buffer("packed", block_gemv.pack(unsigned, weights.scale, offset, self.bits))
+        # Q4_0's and Q8_0's offsets follow from their scales: leaving them out reads the GGUF's bytes, not 11% more.
+        self.symmetric = block_gemv.symmetric(weights.scale, offset, self.bits)
+        self.register_buffer("packed", block_gemv.pack(unsigned, weights.scale, offset, self.bits, self.symmetric))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @staticmethod
@@ -176,9 +178,9 @@ class BlockGemvLinear(nn.Module):
         if flat.dtype not in (torch.float32, torch.bfloat16):
             flat = flat.float()
         if torch.compiler.is_compiling():
-            out = block_gemv.gemv_op(flat, self.packed, self.out_features, self.bits)
+            out = block_gemv.gemv_op(flat, self.packed, self.out_features, self.bits, self.symmetric)
         else:
-            out = block_gemv.gemv(flat.contiguous(), self.packed, self.out_features, self.bits)
+            out = block_gemv.gemv(flat.contiguous(), self.packed, self.out_features, self.bits, self.symmetric)
         out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias

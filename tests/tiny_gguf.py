@@ -3,6 +3,7 @@ quantization types (so a fused projection, an unquantized layer and a quantized 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -25,21 +26,31 @@ def _permute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
         weight.shape)
 
 
-def write_tokenizer(writer: GGUFWriter, source: GGUFReader, pre: str) -> None:
+@functools.cache
+def source_fields(default_gguf: Path) -> dict[str, object]:
+    """The default GGUF's vocabulary size and tokenizer fields, read once a process: gguf's reader takes ~4 s to
+    parse its 49,152 tokens and merges, and the suite writes a dozen tiny GGUFs from them."""
+    fields = GGUFReader(default_gguf).fields
+    keys = ["llama.vocab_size", "tokenizer.chat_template", *(f"tokenizer.ggml.{key}" for key in (
+        "tokens", "token_type", "merges", "bos_token_id", "eos_token_id", "padding_token_id"))]
+    return {key: fields[key].contents() for key in keys}
+
+
+def write_tokenizer(writer: GGUFWriter, default_gguf: Path, pre: str) -> None:
     """The default model's byte-level BPE vocabulary, special tokens and chat template, under pre-tokenizer pre."""
+    source = source_fields(default_gguf)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
-    writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    writer.add_token_list(source["tokenizer.ggml.tokens"])
+    writer.add_token_types(source["tokenizer.ggml.token_type"])
+    writer.add_token_merges(source["tokenizer.ggml.merges"])
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
-        writer.add_uint32(f"tokenizer.ggml.{key}", int(source.fields[f"tokenizer.ggml.{key}"].contents()))
-    writer.add_chat_template(source.fields["tokenizer.chat_template"].contents())
+        writer.add_uint32(f"tokenizer.ggml.{key}", int(source[f"tokenizer.ggml.{key}"]))
+    writer.add_chat_template(source["tokenizer.chat_template"])
 
 
 def build_tiny_gguf(path: Path, default_gguf: Path, seed: int = 0) -> Path:
-    source = GGUFReader(default_gguf)
-    vocab = int(source.fields["llama.vocab_size"].contents())
+    vocab = int(source_fields(default_gguf)["llama.vocab_size"])
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
     writer.add_context_length(CONTEXT)
@@ -51,7 +62,7 @@ def build_tiny_gguf(path: Path, default_gguf: Path, seed: int = 0) -> Path:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_rope_dimension_count(HEAD_DIM)
-    write_tokenizer(writer, source, "smollm")
+    write_tokenizer(writer, default_gguf, "smollm")
 
     rng = np.random.default_rng(seed)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH_NAMES, GGUFReader, GGUFWriter, RopeScalingType, get_tensor_name_map
+from gguf import MODEL_ARCH_NAMES, GGUFWriter, RopeScalingType, get_tensor_name_map
 from gguf import GGMLQuantizationType as Q
 from transformers import (
     AutoModelForCausalLM,
@@ -79,7 +79,7 @@ def write_gguf(model: PreTrainedModel, arch: str, path: Path, default_gguf: Path
     writer = GGUFWriter(str(path), arch)
     _write_shape(writer, arch, config)
     _EXTRA_KEYS.get(arch, lambda w, c: None)(writer, config)
-    write_tokenizer(writer, GGUFReader(default_gguf), PRE_TOKENIZER.get(arch, "smollm"))
+    write_tokenizer(writer, default_gguf, PRE_TOKENIZER.get(arch, "smollm"))
     for name, data in _gguf_tensors(model, arch):
         qtype = types(name) if types and data.ndim == 2 else Q.F32
         writer.add_tensor(name, QUANTIZERS[qtype](data), raw_dtype=None if qtype == Q.F32 else qtype)

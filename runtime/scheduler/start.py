@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 
 from .process import AUTHKEY_ENV, PREIMPORT_FLAG
@@ -85,7 +86,10 @@ def launch(preimport: bool) -> Launched:
 
     def accept() -> None:
         with listener:
-            launched._accepted.append(listener.accept())
+            try:
+                launched._accepted.append(listener.accept())
+            except (OSError, EOFError, AuthenticationError):  # it died, or was stopped, mid-handshake
+                return  # connection() reports it; a spare dropped meanwhile needs nothing more
 
     launched._acceptor = threading.Thread(target=accept, daemon=True, name="furcate-scheduler-accept")
     launched._acceptor.start()

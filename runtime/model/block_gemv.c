@@ -142,6 +142,17 @@ static void quantize_row(const void *x_row, int x_bf16, int K, int8_t *xq, float
 }
 #endif
 
+#if LANES > 2
+/* One row's float16 factors of a pair as floats: (scale A, scale B, offset A, offset B), or only the two scales (in
+ * the low half) where the rows are symmetric. */
+static inline __m128 pair_factors(const uint8_t *factors, int symmetric) {
+    if (!symmetric) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)factors));
+    int32_t raw;
+    memcpy(&raw, factors, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(raw));
+}
+#endif
+
 #if LANES == 16
 /* Both groups' integer dot products of a pair, lanes alternating between them. */
 static inline __m512i pair_dot(const uint8_t *w, int bits, __m512i first, __m512i second) {
@@ -161,14 +172,10 @@ static inline __m512i pair_dot(const uint8_t *w, int bits, __m512i first, __m512
  * that is scale * (dx * dot - zero * sum), zero * sum computed once a pair for all rows (zsums). */
 static inline __m512 accumulate(__m512 acc, __m512 dot, const uint8_t *factors, int symmetric, __m512 dx,
                                 __m512 sums, __m512 zsums) {
-    if (symmetric) {
-        int32_t raw;
-        memcpy(&raw, factors, 4);
-        __m512 s = _mm512_broadcast_f32x2(_mm_cvtph_ps(_mm_cvtsi32_si128(raw)));
-        return _mm512_fmadd_ps(s, _mm512_fmsub_ps(dot, dx, zsums), acc);
-    }
-    __m128 so = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)factors));
-    __m512 s = _mm512_broadcast_f32x2(so), o = _mm512_broadcast_f32x2(_mm_movehl_ps(so, so));
+    __m128 so = pair_factors(factors, symmetric);
+    __m512 s = _mm512_broadcast_f32x2(so);
+    if (symmetric) return _mm512_fmadd_ps(s, _mm512_fmsub_ps(dot, dx, zsums), acc);
+    __m512 o = _mm512_broadcast_f32x2(_mm_movehl_ps(so, so));
     return _mm512_fmadd_ps(o, sums, _mm512_fmadd_ps(dot, _mm512_mul_ps(s, dx), acc));
 }
 
@@ -289,14 +296,10 @@ static inline __m256 broadcast_pair(__m128 v) { return _mm256_castpd_ps(_mm256_b
 /* As the AVX512 path's accumulate. */
 static inline __m256 accumulate(__m256 acc, __m256 dot, const uint8_t *factors, int symmetric, __m256 dx,
                                 __m256 sums, __m256 zsums) {
-    if (symmetric) {
-        int32_t raw;
-        memcpy(&raw, factors, 4);
-        __m256 s = broadcast_pair(_mm_cvtph_ps(_mm_cvtsi32_si128(raw)));
-        return _mm256_fmadd_ps(s, _mm256_fmsub_ps(dot, dx, zsums), acc);
-    }
-    __m128 so = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)factors));
-    __m256 s = broadcast_pair(so), o = broadcast_pair(_mm_movehl_ps(so, so));
+    __m128 so = pair_factors(factors, symmetric);
+    __m256 s = broadcast_pair(so);
+    if (symmetric) return _mm256_fmadd_ps(s, _mm256_fmsub_ps(dot, dx, zsums), acc);
+    __m256 o = broadcast_pair(_mm_movehl_ps(so, so));
     return _mm256_fmadd_ps(o, sums, _mm256_fmadd_ps(dot, _mm256_mul_ps(s, dx), acc));
 }
 

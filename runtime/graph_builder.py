@@ -92,7 +92,7 @@ class BackgroundGraphs:
         with (self.folder / LOG).open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", f"{__package__}.graph_builder", spec.to_json()],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, process_group=0)
         logger.warning("decode runs eagerly until its compiled graphs are built: building them in the background "
                        "(pid %d, at low priority; log %s); later starts load them",
                        self.process.pid, self.folder / LOG)
@@ -165,15 +165,13 @@ def build(spec: BuildSpec) -> int:
 
 def lower_priority() -> None:
     """Take only what the engine leaves idle: SCHED_IDLE and nice 19, inherited by the compiler processes it runs.
-    The builder is a session of its own (it outlives the engine), and with the kernel's autogroups on, a nice
-    value counts only within its session's group: that group is set to nice 19 as well. Without it, the
-    builder took a core's fair share and the engine's 2-thread steps, waiting at each op for a preempted
-    thread, ran 40x slower."""
+    The builder stays in the engine's session (a process group of its own, so it outlives the engine and a
+    terminal's Ctrl-C), hence in its autogroup: with the kernel's autogroups on, CPU is shared between groups first,
+    and a builder in a group of its own took half the CPU whatever its policy (the engine's 2-thread steps,
+    waiting at each op for a preempted thread, ran 10-40x slower)."""
     os.nice(19)
     with contextlib.suppress(OSError, AttributeError):  # SCHED_IDLE is Linux's
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    with contextlib.suppress(OSError):
-        pathlib.Path("/proc/self/autogroup").write_text("19")
 
 
 def main() -> int:

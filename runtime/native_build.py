@@ -1,9 +1,9 @@
 """C kernels built once per machine with the system compiler, for the CPU they run on, and cached on disk.
 
-A kernel's library is keyed by its source, the compiler, the flags and the CPU (-march=native compiles for the
-CPU at hand), so another machine, flag set or edit builds its own. It is compiled into a temporary file and
-moved into place, so a concurrent start never loads half a file. Without a compiler, or where the build fails,
-load raises OSError or SubprocessError and the caller keeps its torch path.
+A kernel's library is keyed by its source (and the files beside it that it includes), the compiler, the flags and
+the CPU (-march=native compiles for the CPU at hand), so another machine, flag set or edit builds its own. It is
+compiled into a temporary file and moved into place, so a concurrent start never loads half a file. Without a
+compiler, or where the build fails, load raises OSError or SubprocessError and the caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -41,8 +42,16 @@ def cpu_signature() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
+def source_texts(source: pathlib.Path) -> list[str]:
+    """source's text and those of the files beside it that it includes (#include "name"), which a build also
+    compiles."""
+    text = source.read_text()
+    included = re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.MULTILINE)
+    return [text, *((source.parent / name).read_text() for name in included)]
+
+
 def library_path(source: pathlib.Path, compiler: str, flags: tuple[str, ...]) -> pathlib.Path:
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags, cpu_signature()]).encode())
+    key = hashlib.sha256("\0".join([*source_texts(source), compiler, *flags, cpu_signature()]).encode())
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 

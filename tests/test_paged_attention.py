@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from furcate.runtime import native_build
 from furcate.runtime.attention import paged_attention
 from furcate.runtime.attention.base import ModelAttention
 
@@ -19,6 +23,22 @@ def attend(request):
     """The kernel as eager forwards call it (ctypes) and as a compiled step does (the op furcate::paged_attention,
     whose CPU kernel is paged_attention_op.cpp's where it builds): the same results and the same refusals."""
     return paged_attention.attention if request.param == "ctypes" else paged_attention.attention_op
+
+
+@pytest.fixture(scope="module")
+def float_build(tmp_path_factory):
+    """The kernel as it builds on a CPU without AVX512-BF16: bfloat16 pools widened to float32 throughout."""
+    os.environ["FURCATE_CACHE"] = str(tmp_path_factory.mktemp("kernels"))
+    try:
+        lib = paged_attention.load(("-mno-avx512bf16",))
+    finally:
+        del os.environ["FURCATE_CACHE"]
+    assert not paged_attention.bfloat16_products(lib)
+    return functools.partial(paged_attention.attention, lib=lib)
+
+
+def engine_products() -> bool:
+    return paged_attention.bfloat16_products(paged_attention.library())
 
 
 def reference(q, k_pool, v_pool, kv_index, spans, scale):
@@ -76,25 +96,53 @@ def test_matches_causal_sdpa_over_gathered_keys(attend, new_tokens, cached, head
                                atol=2e-5)
 
 
-@pytest.mark.parametrize("new_tokens, cached, heads, kv_heads, dim", [
+BFLOAT16_CASES = [
     (*decode(1, 64), 9, 3, 64), (*decode(32, 300), 9, 3, 64), (*decode(3, 200), 32, 8, 128),
+    (*decode(3, 65), 4, 2, 16),  # a head dimension the bfloat16 products do not take: the float path
     ([37, 5, 16, 1], [0, 130, 64, 7], 9, 3, 64), ([20, 3], [10, 0], 32, 2, 32),
-])
-def test_bfloat16_is_float32_attention_rounded_once(attend, new_tokens, cached, heads, kv_heads, dim):
-    """bfloat16 queries and pool: the float32 result over the same (bfloat16) numbers, rounded to bfloat16 at the
-    end, as torch rounds (at most one bfloat16 step from it where float32 noise meets a rounding boundary)."""
-    q, k_pool, v_pool, kv_index, spans = (t.to(torch.bfloat16) if t.is_floating_point() else t
-                                          for t in case(new_tokens, cached, heads, kv_heads, dim))
-    out = attend(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+]
+
+
+def bfloat16_case(new_tokens, cached, heads, kv_heads, dim):
+    return tuple(t.to(torch.bfloat16) if t.is_floating_point() else t
+                 for t in case(new_tokens, cached, heads, kv_heads, dim))
+
+
+@pytest.mark.parametrize("new_tokens, cached, heads, kv_heads, dim", BFLOAT16_CASES)
+def test_bfloat16_widened_is_float32_attention_rounded_once(float_build, new_tokens, cached, heads, kv_heads, dim):
+    """bfloat16 queries and pool, widened to float32 (CPUs without AVX512-BF16): the float32 result over the same
+    (bfloat16) numbers, rounded to bfloat16 at the end, as torch rounds (at most one bfloat16 step from it where
+    float32 noise meets a rounding boundary)."""
+    q, k_pool, v_pool, kv_index, spans = bfloat16_case(new_tokens, cached, heads, kv_heads, dim)
+    out = float_build(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     expected = reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-5)
     assert (out.float() == expected.to(torch.bfloat16).float()).float().mean() > 0.99
 
 
-def test_bfloat16_nan_stays_nan(attend):
-    q, k_pool, v_pool, kv_index, spans = (t.to(torch.bfloat16) if t.is_floating_point() else t
-                                          for t in case([1], [8], 4, 2, 16))
+@pytest.mark.parametrize("new_tokens, cached, heads, kv_heads, dim", BFLOAT16_CASES)
+def test_bfloat16_products_round_only_the_weights(attend, new_tokens, cached, heads, kv_heads, dim):
+    """The engine's build where it multiplies bfloat16 as bfloat16 (AVX512-BF16): the scores are exact products
+    summed in float32, and each softmax weight is rounded to bfloat16 (relative error 2**-9) before it weighs the
+    values. So each output element lies within 2**-9 of sum(p |v|) / sum(p) (the same attention over |v|) of the
+    float32 result, and then rounds to bfloat16 (2**-9 of itself); the bound is taken twice over."""
+    if not engine_products():
+        pytest.skip("this CPU has no AVX512-BF16: bfloat16 pools take the float path (the test above)")
+    q, k_pool, v_pool, kv_index, spans = bfloat16_case(new_tokens, cached, heads, kv_heads, dim)
+    out = attend(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    expected = reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    magnitude = reference(q, k_pool, v_pool.abs(), kv_index, spans, dim**-0.5)
+    bound = 2**-8 * (magnitude + expected.abs())
+    assert ((out.float() - expected).abs() <= bound).all()
+    if dim == 16:  # the float path, as on a CPU without AVX512-BF16
+        assert (out.float() == expected.to(torch.bfloat16).float()).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dim", [16, 64])  # the float path; bfloat16 products where the CPU has them
+def test_bfloat16_nan_stays_nan(attend, dim):
+    q, k_pool, v_pool, kv_index, spans = bfloat16_case([1], [8], 4, 2, dim)
     v_pool[kv_index[0, 3], 1, 5] = float("nan")  # one value of the second KV head: its queries' dimension 5
     out = attend(q, k_pool, v_pool, kv_index, spans, 0.25)
     assert out[0, 2:, 5].isnan().all() and not out[0, :2].isnan().any() and not out[0, 2:, :5].isnan().any()

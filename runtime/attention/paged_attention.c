@@ -11,9 +11,14 @@
  * and some of its KV heads; the heads take each block of keys in turn, so a slot's row (all heads side by side)
  * comes from memory once. Per head and block of BLOCK keys: scores (16 keys' dot products summed at once),
  * causal masking per row, an online softmax (a running maximum and sum, the accumulated values rescaled when the
- * maximum rises), then the block's values. float32 or bfloat16 queries, pool and output (one type for all
- * three); bfloat16 rows are widened to float32 as they are read and everything is computed in float32, the output
- * rounded to the nearest bfloat16 once, at the end.
+ * maximum rises), then the block's values, taken by sets of rows so that a value row is read once a set. The next
+ * block's rows are prefetched: a request's decoded tokens lie a batch's worth of slots apart.
+ *
+ * float32 or bfloat16 queries, pool and output (one type for all three). On a CPU with AVX512-BF16, bfloat16 pools
+ * are multiplied as bfloat16 (paged_attention_bf16.h: exact products, float32 sums, the softmax weights rounded to
+ * bfloat16 before they weigh the values, as torch's bfloat16 SDPA does); elsewhere bfloat16 rows are widened to
+ * float32 as they are read and everything is computed in float32. Either way the output is rounded to the nearest
+ * bfloat16 once, at the end.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,10 +40,22 @@ static inline vf load_f32(const float *p) {
     return v;
 }
 
+/* A vector's lanes summed (or their maximum taken) in four halving steps, not sixteen dependent ones. */
+static const vi HALVES[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                             {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                             {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                             {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+
 static inline float hsum(vf v) {
-    float sum = 0.0f;
-    for (int l = 0; l < LANES; l++) sum += v[l];
-    return sum;
+    for (int i = 0; i < 4; i++) v += __builtin_shuffle(v, HALVES[i]);
+    return v[0];
+}
+
+static inline vf vmax(vf a, vf b) { return (vf)(((vi)a & (a > b)) | ((vi)b & ~(a > b))); }
+
+static inline float hmax(vf v) {
+    for (int i = 0; i < 4; i++) v = vmax(v, __builtin_shuffle(v, HALVES[i]));
+    return v[0];
 }
 
 /* The lane sums of 16 vectors as one vector (lane j: the sum of v[j]), in 15 shuffle-add steps where 16 separate
@@ -146,54 +163,94 @@ static inline __attribute__((always_inline)) void row_scores(const vf *query, in
     }
 }
 
-/* acc += the weighted sum of the block's first `count` values, the accumulator in registers. */
-static inline __attribute__((always_inline)) void row_values(vf *acc, int chunks, int count, const vf *values,
-                                                             const float *weights) {
-    vf sum[MAX_DIM / LANES];
-    for (int c = 0; c < chunks; c++) sum[c] = acc[c];
-    for (int j = 0; j < count; j++)
-        for (int c = 0; c < chunks; c++) sum[c] += weights[j] * values[j * chunks + c];
-    for (int c = 0; c < chunks; c++) acc[c] = sum[c];
+/* Each row's acc += the weighted sum of the block's values (row r's weights[r]: zero past the keys it sees), the
+ * rows in sets whose accumulators fit in 16 vector registers, so that a value row is read once a set, and the set's
+ * rows x chunks independent sums keep the multiply-adds from waiting on each other. */
+static inline __attribute__((always_inline)) void rows_values(vf (*acc)[MAX_DIM / LANES], int rows, int chunks,
+                                                              const int *visible, const vf *values,
+                                                              float (*weights)[BLOCK]) {
+    enum { REGISTERS = 16 };
+    int set = chunks >= REGISTERS ? 1 : REGISTERS / chunks;
+    for (int r0 = 0; r0 < rows; r0 += set) {
+        int n = rows - r0 < set ? rows - r0 : set, last = 0;
+        for (int r = 0; r < n; r++) last = visible[r0 + r] > last ? visible[r0 + r] : last;
+        vf sum[REGISTERS] = {}; /* those past the set's rows unused */
+        for (int r = 0; r < set; r++)
+            for (int c = 0; c < chunks; c++)
+                if (r < n) sum[r * chunks + c] = acc[r0 + r][c];
+        for (int j = 0; j < last; j++)
+            for (int r = 0; r < set; r++)
+                if (r < n) {
+                    float w = weights[r0 + r][j];
+                    for (int c = 0; c < chunks; c++) sum[r * chunks + c] += w * values[j * chunks + c];
+                }
+        for (int r = 0; r < set; r++)
+            for (int c = 0; c < chunks; c++)
+                if (r < n) acc[r0 + r][c] = sum[r * chunks + c];
+    }
+}
+
+/* Rows' scores (weights[r], the first visible[r] of them) become softmax weights against each row's running
+ * maximum, zero past the keys the row sees, up to BLOCK; its running sum and accumulator are rescaled where the
+ * maximum rose. A row that sees none of the block's keys keeps its state. */
+static inline void softmax_rows(float (*weights)[BLOCK], const int *visible, int rows, vf (*acc)[MAX_DIM / LANES],
+                                int chunks, float *running_max, float *running_sum) {
+    for (int r = 0; r < rows; r++) {
+        float *w = weights[r];
+        int vectors = (visible[r] + LANES - 1) / LANES;
+        for (int j = visible[r]; j < vectors * LANES; j++) w[j] = -3.0e38f; /* exp gives 0 */
+        if (vectors) {
+            vf most = load_f32(w);
+            for (int j = 1; j < vectors; j++) most = vmax(most, load_f32(&w[j * LANES]));
+            float block_max = hmax(most);
+            float new_max = block_max > running_max[r] ? block_max : running_max[r];
+            float rescale = exp_nonpositive((vf){} + (running_max[r] - new_max))[0];
+            vf block_sum = {};
+            for (int j = 0; j < vectors * LANES; j += LANES) {
+                vf e = exp_nonpositive(load_f32(&w[j]) - new_max);
+                memcpy(&w[j], &e, sizeof e);
+                block_sum += e;
+            }
+            running_sum[r] = running_sum[r] * rescale + hsum(block_sum);
+            running_max[r] = new_max;
+            for (int c = 0; c < chunks; c++) acc[r][c] *= rescale;
+        }
+        for (int j = vectors * LANES; j < BLOCK; j++) w[j] = 0.0f;
+    }
+}
+
+/* How many of the block's keys (from position first_pos) each row sees: row r, of token r / group, up to position
+ * last_pos[r / group]. */
+static inline void rows_visible(int *visible, int rows, int group, int count, int64_t first_pos,
+                                const int64_t *last_pos) {
+    for (int r = 0; r < rows; r++) {
+        int64_t seen = last_pos[r / group] - first_pos + 1;
+        visible[r] = seen < 0 ? 0 : seen < count ? (int)seen : count;
+    }
 }
 
 /* One KV head's query rows (tokens x group; row r = token r / group) over a block of `count` keys at slots, the
  * block's first key at position `first_pos`; row r sees keys up to position last_pos[r / group]. The block's
- * keys and values are widened once into float buffers, then each row runs over them with its query and
- * accumulator in registers. Inlined per head size (row_chunks), so that those loops have constant bounds. */
+ * keys and values are widened once into float buffers, then each row scores them with its query in registers, and
+ * the rows take the values in sets. Inlined per head size (chunks), so that those loops have constant bounds. */
 static inline __attribute__((always_inline)) void attend_block_sized(
     vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
     const void *k_pool, const void *v_pool, const int64_t *slots, int count, int64_t first_pos,
     const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, int bf16) {
     vf keys[BLOCK * chunks], values[BLOCK * chunks];
-    float weights[BLOCK] __attribute__((aligned(64)));
-    int padded = (count + 15) & ~15;
+    float weights[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
+    int visible[MAX_ROWS];
     for (int j = 0; j < count; j++) {
         int64_t slot = checked(slots[j], pool_slots) * kv_heads + h;
         load_row(k_pool, slot, chunks, keys + j * chunks, bf16);
         load_row(v_pool, slot, chunks, values + j * chunks, bf16);
     }
-    for (int j = count * chunks; j < padded * chunks; j++) keys[j] = (vf){};
-    for (int r = 0; r < rows; r++) {
-        int64_t seen = last_pos[r / group] - first_pos + 1; /* keys of the block this row sees */
-        int visible = seen < count ? (int)seen : count;
-        if (visible <= 0) continue; /* a later token's keys only: nothing changes */
-        row_scores(query[r], chunks, visible, keys, weights);
-        float block_max = weights[0];
-        for (int j = 1; j < visible; j++) block_max = weights[j] > block_max ? weights[j] : block_max;
-        float new_max = block_max > running_max[r] ? block_max : running_max[r];
-        float rescale = exp_nonpositive((vf){} + (running_max[r] - new_max))[0];
-        for (int j = visible; j < ((visible + 15) & ~15); j++) weights[j] = -3.0e38f; /* exp gives 0 */
-        vf block_sum = {};
-        for (int j = 0; j < visible; j += LANES) {
-            vf w = exp_nonpositive(load_f32(&weights[j]) - new_max);
-            memcpy(&weights[j], &w, sizeof w);
-            block_sum += w;
-        }
-        running_sum[r] = running_sum[r] * rescale + hsum(block_sum);
-        running_max[r] = new_max;
-        for (int c = 0; c < chunks; c++) acc[r][c] *= rescale;
-        row_values(acc[r], chunks, visible, values, weights);
-    }
+    for (int j = count * chunks; j < ((count + 15) & ~15) * chunks; j++) keys[j] = (vf){};
+    rows_visible(visible, rows, group, count, first_pos, last_pos);
+    for (int r = 0; r < rows; r++)
+        if (visible[r]) row_scores(query[r], chunks, visible[r], keys, weights[r]);
+    softmax_rows(weights, visible, rows, acc, chunks, running_max, running_sum);
+    rows_values(acc, rows, chunks, visible, values, weights);
 }
 
 static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
@@ -214,6 +271,35 @@ static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES
 #undef SIZED
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "paged_attention_bf16.h"
+#endif
+
+/* Whether the item's blocks run paged_attention_bf16.h's bfloat16 products: a bfloat16 pool, a head dimension in
+ * 32-wide parts, and a CPU with AVX512-BF16. */
+static inline int dot_bf16(int bf16, int chunks) {
+#ifdef DOT_BF16
+    return bf16 && chunks % 2 == 0;
+#else
+    (void)bf16, (void)chunks;
+    return 0;
+#endif
+}
+
+/* Ask for the item's K and V rows (heads h0 .. h0+n-1) of `count` slots ahead of their use: a request's decoded
+ * tokens lie a batch's worth of slots apart, where the hardware prefetcher does not follow. */
+static void prefetch_rows(const void *k_pool, const void *v_pool, const int64_t *slots, int count,
+                          int64_t pool_slots, int kv_heads, int h0, int n, int row_bytes) {
+    int64_t bytes = (int64_t)n * row_bytes;
+    for (int j = 0; j < count; j++) {
+        int64_t at = (checked(slots[j], pool_slots) * kv_heads + h0) * row_bytes;
+        for (int64_t line = 0; line < bytes; line += 64) {
+            __builtin_prefetch((const char *)k_pool + at + line);
+            __builtin_prefetch((const char *)v_pool + at + line);
+        }
+    }
+}
+
 /* What one work item covers: `tokens` new tokens of request b from its token `first` on, KV heads h0 .. h0+n-1. */
 typedef struct {
     int b, first, tokens, h0, n;
@@ -227,26 +313,41 @@ static void attend_item(Item it, const void *q, const void *k_pool, const void *
     vf query[MAX_ROWS][MAX_DIM / LANES], acc[MAX_ROWS][MAX_DIM / LANES];
     float running_max[MAX_ROWS], running_sum[MAX_ROWS];
     int64_t last_pos[MAX_TILE];
-    int rows = it.tokens * group;
+    int rows = it.tokens * group, dot = dot_bf16(bf16, chunks);
     for (int t = 0; t < it.tokens; t++) last_pos[t] = prefix + it.first + t;
     for (int k = 0; k < it.n; k++) {
         vf (*qs)[MAX_DIM / LANES] = query + k * rows;
         for (int r = 0; r < rows; r++) { /* row r: token r / group, query head (h0 + k) * group + r % group */
-            int64_t token = start + it.first + r / group;
-            load_row(q, token * heads + (it.h0 + k) * group + r % group, chunks, qs[r], bf16);
-            for (int c = 0; c < chunks; c++) {
-                qs[r][c] *= scale;
-                acc[k * rows + r][c] = (vf){};
+            int64_t row = (start + it.first + r / group) * heads + (it.h0 + k) * group + r % group;
+            if (dot) { /* the bfloat16 row as it is, in the first half of its place */
+                memcpy(qs[r], (const uint16_t *)q + row * chunks * LANES, (size_t)chunks * LANES * 2);
+            } else {
+                load_row(q, row, chunks, qs[r], bf16);
+                for (int c = 0; c < chunks; c++) qs[r][c] *= scale;
             }
+            for (int c = 0; c < chunks; c++) acc[k * rows + r][c] = (vf){};
             running_max[k * rows + r] = -3.0e38f;
             running_sum[k * rows + r] = 0.0f;
         }
     }
     int64_t len = last_pos[it.tokens - 1] + 1; /* keys the item's last token sees */
+    int row_bytes = chunks * LANES * (bf16 ? 2 : 4);
     for (int64_t key = 0; key < len; key += BLOCK) {
         int count = len - key < BLOCK ? (int)(len - key) : BLOCK;
+        if (key + BLOCK < len) {
+            int next = len - key - BLOCK < BLOCK ? (int)(len - key - BLOCK) : BLOCK;
+            prefetch_rows(k_pool, v_pool, slots + key + BLOCK, next, pool_slots, kv_heads, it.h0, it.n, row_bytes);
+        }
         for (int k = 0; k < it.n; k++) {
             int at = k * rows;
+#ifdef DOT_BF16
+            if (dot) {
+                attend_block_dot(query + at, acc + at, running_max + at, running_sum + at, k_pool, v_pool,
+                                 slots + key, count, key, last_pos, rows, pool_slots, it.h0 + k, kv_heads, group,
+                                 chunks, scale);
+                continue;
+            }
+#endif
             attend_block(query + at, acc + at, running_max + at, running_sum + at, k_pool, v_pool, slots + key,
                          count, key, last_pos, rows, pool_slots, it.h0 + k, kv_heads, group, chunks, bf16);
         }
@@ -254,6 +355,9 @@ static void attend_item(Item it, const void *q, const void *k_pool, const void *
     for (int k = 0; k < it.n; k++)
         for (int r = 0; r < rows; r++) {
             int i = k * rows + r;
+#ifdef DOT_BF16
+            if (dot) unpermute(acc[i], chunks);
+#endif
             float inverse = running_sum[i] > 0.0f ? 1.0f / running_sum[i] : 0.0f;
             for (int c = 0; c < chunks; c++) acc[i][c] *= inverse;
             int64_t token = start + it.first + r / group;
@@ -277,6 +381,15 @@ static int plan_items(const int64_t *q_counts, int batch, int kv_heads, int grou
                 items[count++] = (Item){b, first, tokens, h0, kv_heads - h0 < n ? kv_heads - h0 : n};
         }
     return count;
+}
+
+/* Whether bfloat16 pools take paged_attention_bf16.h's path in this build (where the head dimension allows). */
+int paged_attention_bf16_products(void) {
+#ifdef DOT_BF16
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* q and out [tokens, heads, dim] (float32, or bfloat16 where bf16, as the pools are); spans [3, batch]: request b's new tokens are rows spans[0][b] ..

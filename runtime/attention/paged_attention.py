@@ -4,7 +4,8 @@ Gathering each request's K/V rows into a padded block and running SDPA on it mov
 attention needs, and a padded, masked SDPA computes every key against every query of a bucket. At batch 32 with
 ~550-token contexts the gather and SDPA cost the default model more per decode step than its matmuls (a compiled
 step: 150 of 255 ms). The C kernel reads each row once per tile of queries, where it lies in the pool, and never
-reads keys past a tile's last position.
+reads keys past a tile's last position. Where the CPU has AVX512-BF16, bfloat16 pools are multiplied as bfloat16
+(paged_attention_bf16.h), which halves the work a key costs; bfloat16_products() says whether a build does.
 
 Eager forwards call the library through ctypes; a compiled decode step traces the registered op
 furcate::paged_attention, whose CPU kernel is C++ (paged_attention_op.cpp, calling the same library) where that
@@ -36,13 +37,16 @@ ERRORS = {-1: "shapes beyond the kernel's limits", -2: "a request's tokens run p
           -3: "out of memory"}
 
 
-def load() -> ctypes.CDLL:
-    lib = native_build.load(SOURCE)
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernel built with native_build's flags and extra_flags (say -mno-avx512bf16 for the float path on every
+    pool), building it if needed."""
+    lib = native_build.load(SOURCE, extra_flags)
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
         ctypes.c_int, ctypes.c_int]
+    lib.paged_attention_bf16_products.restype = ctypes.c_int
     return lib
 
 
@@ -56,6 +60,12 @@ def library() -> ctypes.CDLL | str:
 def available() -> bool:
     """Whether the kernel is built (and then its op has its CPU kernel)."""
     return native_build.available_with_op(library(), native_op)
+
+
+def bfloat16_products(lib: ctypes.CDLL) -> bool:
+    """Whether this build multiplies bfloat16 pools' numbers as bfloat16 (AVX512-BF16: paged_attention_bf16.h),
+    rounding the softmax weights to bfloat16, rather than widening everything to float32."""
+    return bool(lib.paged_attention_bf16_products())
 
 
 @functools.cache
@@ -101,18 +111,19 @@ def paged_table(batch: ForwardBatch) -> PagedTable:
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
-              spans: torch.Tensor, scale: float) -> torch.Tensor:
+              spans: torch.Tensor, scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q [T, H, D], the batch's new tokens packed request after request; k_pool and v_pool [slots, Hkv, D] of q's
     dtype (float32 or bfloat16), the new tokens' K/V written; kv_index [B, L] int64 and spans [3, B] as PagedTable
     holds them (a slot outside the pool reads slot 0). Causal: each token sees its request's slots up to its own.
-    Returns [T, H, D] of q's dtype, computed in float32."""
+    Returns [T, H, D] of q's dtype, summed in float32 (bfloat16 products: bfloat16_products()). lib: a build of
+    the kernel (load()), else the engine's."""
     q, kv_index, spans = q.contiguous(), kv_index.contiguous(), spans.contiguous()
     if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in DTYPES:
         raise ValueError(f"paged attention runs float32 or bfloat16, not {q.dtype} queries over a "
                          f"{k_pool.dtype}/{v_pool.dtype} pool")
     tokens, heads, dim = q.shape
     out = torch.empty_like(q)
-    status = library().paged_attention(
+    status = (lib or library()).paged_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], kv_index.data_ptr(),
         kv_index.shape[1], spans.data_ptr(), spans.shape[1], heads, k_pool.shape[1], dim, scale, out.data_ptr(),
         torch.get_num_threads(), q.dtype == torch.bfloat16)

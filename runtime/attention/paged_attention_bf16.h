@@ -1,0 +1,136 @@
+/* paged_attention.c's block of keys for bfloat16 pools on CPUs with AVX512-BF16 (included there once, after its
+ * shared helpers; the build's key hashes this file with it).
+ *
+ * The float path widens every key and value to float32 and multiplies in float32. Here both products run on the
+ * pool's own bfloat16 numbers with vdpbf16ps (pairs of bfloat16 products summed into float32), as torch's bfloat16
+ * SDPA runs them on oneDNN:
+ * - scores: query . key over bfloat16 pairs of the head dimension. A product of two bfloat16 is exact in float32,
+ *   so the scores are the float path's up to the order of their float32 sums; the scale multiplies them after.
+ * - values: each row's softmax weights are rounded to bfloat16 (the running sums keep them in float32), and two
+ *   keys' values are interleaved so that a pair of weights meets a pair of values. The accumulators' lanes then hold
+ *   the head dimension in unpack order (unpermute() restores it once, at the end).
+ * The work per key falls by half or more, and nothing is widened or copied but the interleaved values. */
+#include <immintrin.h>
+
+#define DOT_BF16 1
+
+static const uint16_t ZERO_ROW[MAX_DIM] __attribute__((aligned(64)));
+
+/* Row r's scores against 16 keys at a time, its bfloat16 query in registers (halves: 32-wide parts of a row). */
+static inline __attribute__((always_inline)) void row_scores_dot(const __m512i *query, int halves, int visible,
+                                                                 const uint16_t *const *keys, float scale,
+                                                                 float *scores) {
+    __m512i q[MAX_DIM / 32];
+    for (int i = 0; i < halves; i++) q[i] = query[i];
+    for (int first = 0; first < visible; first += 16) {
+        vf products[16];
+        for (int j = 0; j < 16; j++) {
+            __m512 dot = _mm512_setzero_ps();
+            for (int i = 0; i < halves; i++)
+                dot = _mm512_dpbf16_ps(dot, (__m512bh)q[i], (__m512bh)_mm512_loadu_si512(keys[first + j] + 32 * i));
+            products[j] = (vf)dot;
+        }
+        vf sums = sums16(products) * scale;
+        memcpy(&scores[first], &sums, sizeof sums);
+    }
+}
+
+/* Keys 2p and 2p + 1's values interleaved, bfloat16 by bfloat16, as `chunks` vectors of pairs (unpacking within
+ * 128-bit lanes: the low vector of each 32-wide part holds its dimensions 0-3, 8-11, 16-19, 24-27). */
+static inline void pair_values(const uint16_t *const *values, int count, int halves, __m512i *pairs) {
+    for (int p = 0; p < (count + 1) / 2; p++)
+        for (int i = 0; i < halves; i++) {
+            __m512i a = _mm512_loadu_si512(values[2 * p] + 32 * i), b = _mm512_loadu_si512(values[2 * p + 1] + 32 * i);
+            pairs[(p * halves + i) * 2] = _mm512_unpacklo_epi16(a, b);
+            pairs[(p * halves + i) * 2 + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+}
+
+/* A row's BLOCK weights as BLOCK / 2 pairs of bfloat16 (rounded to nearest even). */
+static inline void pair_weights(const float *w, uint32_t *pairs) {
+    for (int j = 0; j < BLOCK; j += 32) {
+        __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + j + 16), _mm512_loadu_ps(w + j));
+        _mm512_storeu_si512(pairs + j / 2, (__m512i)h);
+    }
+}
+
+/* rows_values over interleaved values: each row's pair of weights times a pair of values, in sets of rows whose
+ * accumulators fit in 16 registers. */
+static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_DIM / LANES], int rows, int chunks,
+                                                                  const int *visible, const __m512i *pairs,
+                                                                  uint32_t (*weights)[BLOCK / 2]) {
+    enum { REGISTERS = 16 };
+    int set = chunks >= REGISTERS ? 1 : REGISTERS / chunks;
+    for (int r0 = 0; r0 < rows; r0 += set) {
+        int n = rows - r0 < set ? rows - r0 : set, last = 0;
+        for (int r = 0; r < n; r++) last = visible[r0 + r] > last ? visible[r0 + r] : last;
+        __m512 sum[REGISTERS] = {}; /* those past the set's rows unused */
+        for (int r = 0; r < set; r++)
+            for (int c = 0; c < chunks; c++)
+                if (r < n) sum[r * chunks + c] = (__m512)acc[r0 + r][c];
+        for (int p = 0; p < (last + 1) / 2; p++)
+            for (int r = 0; r < set; r++)
+                if (r < n) {
+                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)weights[r0 + r][p]);
+                    for (int c = 0; c < chunks; c++)
+                        sum[r * chunks + c] = _mm512_dpbf16_ps(sum[r * chunks + c], w, (__m512bh)pairs[p * chunks + c]);
+                }
+        for (int r = 0; r < set; r++)
+            for (int c = 0; c < chunks; c++)
+                if (r < n) acc[r0 + r][c] = (vf)sum[r * chunks + c];
+    }
+}
+
+/* attend_block_sized for a bfloat16 pool: the same rows, keys and softmax; query[r] holds row r's bfloat16 query
+ * (unscaled) in its first halves vectors. */
+static inline __attribute__((always_inline)) void attend_block_dot_sized(
+    vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
+    const void *k_pool, const void *v_pool, const int64_t *slots, int count, int64_t first_pos,
+    const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, float scale) {
+    int halves = chunks / 2, dim = chunks * LANES;
+    const uint16_t *keys[BLOCK + 1], *values[BLOCK + 1]; /* past count: a row of zeros */
+    for (int j = 0; j <= BLOCK; j++) {
+        int64_t row = j < count ? checked(slots[j], pool_slots) * kv_heads + h : -1;
+        keys[j] = row < 0 ? ZERO_ROW : (const uint16_t *)k_pool + row * dim;
+        values[j] = row < 0 ? ZERO_ROW : (const uint16_t *)v_pool + row * dim;
+    }
+    __m512i pairs[BLOCK / 2 * chunks];
+    pair_values(values, count, halves, pairs);
+    float weights[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
+    uint32_t weight_pairs[MAX_ROWS][BLOCK / 2] __attribute__((aligned(64)));
+    int visible[MAX_ROWS];
+    rows_visible(visible, rows, group, count, first_pos, last_pos);
+    for (int r = 0; r < rows; r++)
+        if (visible[r]) row_scores_dot((const __m512i *)query[r], halves, visible[r], keys, scale, weights[r]);
+    softmax_rows(weights, visible, rows, acc, chunks, running_max, running_sum);
+    for (int r = 0; r < rows; r++) pair_weights(weights[r], weight_pairs[r]);
+    rows_values_dot(acc, rows, chunks, visible, pairs, weight_pairs);
+}
+
+static void attend_block_dot(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
+                             float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots,
+                             int count, int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots,
+                             int h, int kv_heads, int group, int chunks, float scale) {
+#define SIZED(n)                                                                                                \
+    attend_block_dot_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, first_pos,       \
+                           last_pos, rows, pool_slots, h, kv_heads, group, n, scale)
+    switch (chunks) { /* head_dim 32, 64, 128, 256; others with a variable bound */
+    case 2: SIZED(2); break;
+    case 4: SIZED(4); break;
+    case 8: SIZED(8); break;
+    case 16: SIZED(16); break;
+    default: SIZED(chunks);
+    }
+#undef SIZED
+}
+
+/* An accumulator row in the head dimension's order again: each 32-wide part's two vectors from unpack order. */
+static inline void unpermute(vf *row, int chunks) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int c = 0; c < chunks; c += 2) {
+        __m512 low = (__m512)row[c], high = (__m512)row[c + 1];
+        row[c] = (vf)_mm512_permutex2var_ps(low, first, high);
+        row[c + 1] = (vf)_mm512_permutex2var_ps(low, second, high);
+    }
+}

@@ -22,7 +22,8 @@ Models (--model-shape): 135m, the embedded SmolLM2-135M-Instruct (Q4_1); 1b, a L
 random weights built once into the bench cache (peer_models.py; Q4_0, or Q4_1 with --quant-type), reported in
 peers_1b.*. Each report also carries the CPU flags, the load average before the run, the CPU time other
 processes took during each timing, a memory bandwidth probe, and for decode_b1 the share of that bandwidth each
-system reached reading its weights once per token. --quick shrinks every workload to a smoke test.
+system reached reading its weights once per token; for the batched workloads in float32 and bfloat16, the share of
+the matmul ceiling each system reached (peers_roofline.py). --quick shrinks every workload to a smoke test.
 
     python -m benchmarks.peers [--model-shape 135m|1b] [--threads 2] [--precisions float32,bfloat16,quantized]
                                [--systems furcate,furcate-compiled,llama.cpp,vllm,hf] [--vllm-python PATH] [--quick]
@@ -55,6 +56,7 @@ from .peers_report import (
     plot,
     step_bytes,
 )
+from .peers_roofline import ceilings, machine_rates, model_facts, shares
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]  # where `python -m benchmarks.peers` resolves
@@ -78,6 +80,11 @@ QUICK_SIZES = {"offline": {"num_prompts": 4, "prompt_range": (20, 100), "output_
                "shared_prefix": {"groups": 2, "per_group": 2, "system_len": 64, "question_len": 8, "output_len": 8,
                                  "seed": 1}}
 HF_BATCH = 16
+
+
+def most_sequences(sizes: dict) -> int:
+    """The most requests a batched workload runs at once."""
+    return max(sizes["offline"]["num_prompts"], sizes["shared_prefix"]["groups"] * sizes["shared_prefix"]["per_group"])
 
 
 def build_workloads(tokenizer, sizes: dict) -> dict:
@@ -154,7 +161,7 @@ def llama_worker(spec: dict, workloads: dict) -> dict:
     from .peer_llama_cpp import LlamaCppBatched
 
     sizes = spec["sizes"]
-    n_seq = max(sizes["offline"]["num_prompts"], sizes["shared_prefix"]["groups"] * sizes["shared_prefix"]["per_group"])
+    n_seq = most_sequences(sizes)
     runner = LlamaCppBatched(spec["gguf"], spec["threads"], MAX_TOKENS, n_seq=n_seq)
     results = {"engine": {"gguf": pathlib.Path(spec["gguf"]).name, "use_extra_bufts": runner.extra_bufts}}
     try:
@@ -409,6 +416,9 @@ def main() -> None:
     print(f"memory bandwidth: read {bandwidth['read_gb_s']:.1f} GB/s, copy {bandwidth['copy_gb_s']:.1f} GB/s",
           flush=True)
     workloads = build_workloads(AutoTokenizer.from_pretrained(models["hf_dir"]), sizes)
+    facts = model_facts(models["hf_dir"])
+    rates = machine_rates(facts, most_sequences(sizes), args.threads, args.precisions.split(","))
+    print(f"matmul GFLOP/s: {json.dumps(rates)}", flush=True)
     workloads_file = BENCH_CACHE / "peers-workloads.json"
     workloads_file.write_text(json.dumps(workloads))
     results, settings = run_all(args, models, workloads_file, sizes)
@@ -417,6 +427,7 @@ def main() -> None:
         if precision == "quantized" and engine.get("quantized_layers") == 0:
             print("WARNING: furcate ran no quantized layers (this CPU has no native bfloat16: auto means dense)")
     table = compare(results)
+    ceiling = ceilings(workloads, sizes, facts, rates)
     vllm_version = next((r["engine"]["version"] for s in results.values() for n, r in s.items()
                          if n == "vllm" and measured(r)), None)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "model": models["name"],
@@ -429,7 +440,8 @@ def main() -> None:
               "engines": {p: {s: r.get("engine", r.get("status")) for s, r in systems.items()}
                           for p, systems in results.items()},
               "table": table, "aims": aims(table),
-              "decode_bandwidth": bandwidth_shares(results, step_bytes(models), bandwidth), "sizes": sizes}
+              "decode_bandwidth": bandwidth_shares(results, step_bytes(models), bandwidth), "sizes": sizes,
+              "matmul_rates": rates, "ceiling": ceiling, "ceiling_shares": shares(table, ceiling)}
     output = pathlib.Path(args.output) if args.output else default_output(args)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")

@@ -7,6 +7,8 @@ import json
 import pathlib
 import time
 
+from .peers_roofline import markdown_lines as ceiling_lines
+
 COMPILED = "furcate-compiled"  # furcate with enable_torch_compile
 SYSTEMS = ("furcate", COMPILED, "llama.cpp", "vllm", "hf")
 OURS = ("furcate", COMPILED)
@@ -186,6 +188,7 @@ def markdown(report: dict) -> str:
     for key, share in report["decode_bandwidth"].items():
         lines.append(f"| {key} | {share['bytes_per_token'] / 1e6:.1f} | {share['tok_s']:.1f} | {share['gb_s']:.2f} "
                      f"| {share['share']:.0%} |")
+    lines += ceiling_lines(report)
     lines += ["", "## Engines", ""]
     for precision, settings in report["vllm_settings"].items():
         lines.append(f"- {precision} vllm given: environment {json.dumps(settings['env'])}, kv_cache_memory_bytes "

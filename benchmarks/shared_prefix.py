@@ -43,8 +43,8 @@ def build_workload(tokenizer, groups: int, per_group: int, system_len: int, ques
     return [systems[g] + text_of_length(tokenizer, rng, question_len) for _ in range(per_group) for g in range(groups)]
 
 
-def oracle_hit_rate(prompts: list[list[int]]) -> float:
-    """Share of prompt tokens an ideal cache would not compute: all but the distinct prefix-trie nodes."""
+def unique_prefix_tokens(prompts: list[list[int]]) -> int:
+    """The distinct prefix-trie nodes of the prompts: the tokens an ideal prefix cache computes."""
     trie: dict = {}
     unique = 0
     for ids in prompts:
@@ -54,8 +54,13 @@ def oracle_hit_rate(prompts: list[list[int]]) -> float:
                 node[token] = {}
                 unique += 1
             node = node[token]
+    return unique
+
+
+def oracle_hit_rate(prompts: list[list[int]]) -> float:
+    """Share of prompt tokens an ideal cache would not compute: all but the distinct prefix-trie nodes."""
     total = sum(len(p) for p in prompts)
-    return (total - unique) / total
+    return (total - unique_prefix_tokens(prompts)) / total
 
 
 def run(prompts: list[list[int]], output_len: int, threads: int, radix: bool) -> dict:

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from furcate.runtime import native_build
 from furcate.runtime.attention import paged_attention
 from furcate.runtime.attention.base import ModelAttention
 
@@ -35,10 +34,6 @@ def float_build(tmp_path_factory):
         del os.environ["FURCATE_CACHE"]
     assert not paged_attention.bfloat16_products(lib)
     return functools.partial(paged_attention.attention, lib=lib)
-
-
-def engine_products() -> bool:
-    return paged_attention.bfloat16_products(paged_attention.library())
 
 
 def reference(q, k_pool, v_pool, kv_index, spans, scale):
@@ -108,36 +103,24 @@ def bfloat16_case(new_tokens, cached, heads, kv_heads, dim):
                  for t in case(new_tokens, cached, heads, kv_heads, dim))
 
 
+@pytest.fixture(params=["engine's build", "widened"])
+def bfloat16_build(request, attend, float_build):
+    """The engine's build (bfloat16 products where the CPU has AVX512-BF16) and the float path's."""
+    return attend if request.param == "engine's build" else float_build
+
+
 @pytest.mark.parametrize("new_tokens, cached, heads, kv_heads, dim", BFLOAT16_CASES)
-def test_bfloat16_widened_is_float32_attention_rounded_once(float_build, new_tokens, cached, heads, kv_heads, dim):
-    """bfloat16 queries and pool, widened to float32 (CPUs without AVX512-BF16): the float32 result over the same
-    (bfloat16) numbers, rounded to bfloat16 at the end, as torch rounds (at most one bfloat16 step from it where
-    float32 noise meets a rounding boundary)."""
+def test_bfloat16_is_float32_attention_rounded_once(bfloat16_build, new_tokens, cached, heads, kv_heads, dim):
+    """bfloat16 queries and pool: the float32 result over the same (bfloat16) numbers, rounded to bfloat16 at the
+    end, as torch rounds (at most one bfloat16 step from it where float32 noise meets a rounding boundary). Widened
+    to float32, or multiplied as bfloat16 with each softmax weight split into two bfloat16 parts: both are float32
+    attention up to the order of float32 sums."""
     q, k_pool, v_pool, kv_index, spans = bfloat16_case(new_tokens, cached, heads, kv_heads, dim)
-    out = float_build(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    out = bfloat16_build(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     expected = reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-5)
     assert (out.float() == expected.to(torch.bfloat16).float()).float().mean() > 0.99
-
-
-@pytest.mark.parametrize("new_tokens, cached, heads, kv_heads, dim", BFLOAT16_CASES)
-def test_bfloat16_products_round_only_the_weights(attend, new_tokens, cached, heads, kv_heads, dim):
-    """The engine's build where it multiplies bfloat16 as bfloat16 (AVX512-BF16): the scores are exact products
-    summed in float32, and each softmax weight is rounded to bfloat16 (relative error 2**-9) before it weighs the
-    values. So each output element lies within 2**-9 of sum(p |v|) / sum(p) (the same attention over |v|) of the
-    float32 result, and then rounds to bfloat16 (2**-9 of itself); the bound is taken twice over."""
-    if not engine_products():
-        pytest.skip("this CPU has no AVX512-BF16: bfloat16 pools take the float path (the test above)")
-    q, k_pool, v_pool, kv_index, spans = bfloat16_case(new_tokens, cached, heads, kv_heads, dim)
-    out = attend(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    expected = reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
-    magnitude = reference(q, k_pool, v_pool.abs(), kv_index, spans, dim**-0.5)
-    bound = 2**-8 * (magnitude + expected.abs())
-    assert ((out.float() - expected).abs() <= bound).all()
-    if dim == 16:  # the float path, as on a CPU without AVX512-BF16
-        assert (out.float() == expected.to(torch.bfloat16).float()).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("dim", [16, 64])  # the float path; bfloat16 products where the CPU has them

@@ -14,11 +14,9 @@
  * maximum rises), then the block's values, taken by sets of rows so that a value row is read once a set. The next
  * block's rows are prefetched: a request's decoded tokens lie a batch's worth of slots apart.
  *
- * float32 or bfloat16 queries, pool and output (one type for all three). On a CPU with AVX512-BF16, bfloat16 pools
- * are multiplied as bfloat16 (paged_attention_bf16.h: exact products, float32 sums, the softmax weights rounded to
- * bfloat16 before they weigh the values, as torch's bfloat16 SDPA does); elsewhere bfloat16 rows are widened to
- * float32 as they are read and everything is computed in float32. Either way the output is rounded to the nearest
- * bfloat16 once, at the end.
+ * float32 or bfloat16 queries, pool and output (one type for all three). bfloat16 is computed as float32: on a CPU
+ * with AVX512-BF16 by bfloat16 products summed in float32 (paged_attention_bf16.h), elsewhere by widening each row
+ * to float32 as it is read. Either way the output is rounded to the nearest bfloat16 once, at the end.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -5,7 +5,7 @@ attention needs, and a padded, masked SDPA computes every key against every quer
 ~550-token contexts the gather and SDPA cost the default model more per decode step than its matmuls (a compiled
 step: 150 of 255 ms). The C kernel reads each row once per tile of queries, where it lies in the pool, and never
 reads keys past a tile's last position. Where the CPU has AVX512-BF16, bfloat16 pools are multiplied as bfloat16
-(paged_attention_bf16.h), which halves the work a key costs; bfloat16_products() says whether a build does.
+(paged_attention_bf16.h): the same float32 results for less work a key; bfloat16_products() says whether a build does.
 
 Eager forwards call the library through ctypes; a compiled decode step traces the registered op
 furcate::paged_attention, whose CPU kernel is C++ (paged_attention_op.cpp, calling the same library) where that
@@ -63,8 +63,8 @@ def available() -> bool:
 
 
 def bfloat16_products(lib: ctypes.CDLL) -> bool:
-    """Whether this build multiplies bfloat16 pools' numbers as bfloat16 (AVX512-BF16: paged_attention_bf16.h),
-    rounding the softmax weights to bfloat16, rather than widening everything to float32."""
+    """Whether this build multiplies bfloat16 pools' numbers as bfloat16 (AVX512-BF16: paged_attention_bf16.h)
+    rather than widening them to float32 (the same results, up to the order of float32 sums)."""
     return bool(lib.paged_attention_bf16_products())
 
 
@@ -115,8 +115,8 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_in
     """q [T, H, D], the batch's new tokens packed request after request; k_pool and v_pool [slots, Hkv, D] of q's
     dtype (float32 or bfloat16), the new tokens' K/V written; kv_index [B, L] int64 and spans [3, B] as PagedTable
     holds them (a slot outside the pool reads slot 0). Causal: each token sees its request's slots up to its own.
-    Returns [T, H, D] of q's dtype, summed in float32 (bfloat16 products: bfloat16_products()). lib: a build of
-    the kernel (load()), else the engine's."""
+    Returns [T, H, D] of q's dtype, computed in float32. lib: a build of the kernel (load()), else the
+    engine's."""
     q, kv_index, spans = q.contiguous(), kv_index.contiguous(), spans.contiguous()
     if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in DTYPES:
         raise ValueError(f"paged attention runs float32 or bfloat16, not {q.dtype} queries over a "

@@ -2,14 +2,16 @@
  * shared helpers; the build's key hashes this file with it).
  *
  * The float path widens every key and value to float32 and multiplies in float32. Here both products run on the
- * pool's own bfloat16 numbers with vdpbf16ps (pairs of bfloat16 products summed into float32), as torch's bfloat16
- * SDPA runs them on oneDNN:
+ * pool's own bfloat16 numbers with vdpbf16ps (pairs of bfloat16 products summed into float32):
  * - scores: query . key over bfloat16 pairs of the head dimension. A product of two bfloat16 is exact in float32,
  *   so the scores are the float path's up to the order of their float32 sums; the scale multiplies them after.
- * - values: each row's softmax weights are rounded to bfloat16 (the running sums keep them in float32), and two
- *   keys' values are interleaved so that a pair of weights meets a pair of values. The accumulators' lanes then hold
- *   the head dimension in unpack order (unpermute() restores it once, at the end).
- * The work per key falls by half or more, and nothing is widened or copied but the interleaved values. */
+ * - values: two keys' values are interleaved so that a pair of weights meets a pair of values, and each float32
+ *   softmax weight is split into two bfloat16 parts, the weight rounded and what the rounding left out, so the
+ *   values are weighed to ~2**-17 of the float32 weights, not bfloat16's 2**-9 (torch's bfloat16 SDPA rounds them
+ *   once; rounding once here moved the default model's greedy bfloat16 output further from float32's). The
+ *   accumulators' lanes hold the head dimension in unpack order (unpermute() restores it once, at the end).
+ * The results are the float path's up to the order of float32 sums, for less work a key: no key is widened, and
+ * only the values are copied, interleaved. */
 #include <immintrin.h>
 
 #define DOT_BF16 1
@@ -46,11 +48,20 @@ static inline void pair_values(const uint16_t *const *values, int count, int hal
         }
 }
 
-/* A row's BLOCK weights as BLOCK / 2 pairs of bfloat16 (rounded to nearest even). */
-static inline void pair_weights(const float *w, uint32_t *pairs) {
+/* A row's BLOCK weights as BLOCK / 2 pairs of bfloat16, twice: each weight rounded to bfloat16 (high), and what
+ * that rounding left out, rounded again (low). high + low is the float32 weight to ~2**-17 of itself, where high
+ * alone would be 2**-9 off. */
+static inline void pair_weights(const float *w, uint32_t *high, uint32_t *low) {
     for (int j = 0; j < BLOCK; j += 32) {
-        __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + j + 16), _mm512_loadu_ps(w + j));
-        _mm512_storeu_si512(pairs + j / 2, (__m512i)h);
+        __m512 first = _mm512_loadu_ps(w + j), second = _mm512_loadu_ps(w + j + 16);
+        __m512bh rounded = _mm512_cvtne2ps_pbh(second, first);
+        __m512i bits = (__m512i)rounded; /* back to float32: a bfloat16 is the top half of its float32 */
+        __m512 first_kept = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
+        __m512 second_kept = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
+        __m512bh rest = _mm512_cvtne2ps_pbh(_mm512_sub_ps(second, second_kept), _mm512_sub_ps(first, first_kept));
+        _mm512_storeu_si512(high + j / 2, bits);
+        _mm512_storeu_si512(low + j / 2, (__m512i)rest);
     }
 }
 
@@ -58,7 +69,8 @@ static inline void pair_weights(const float *w, uint32_t *pairs) {
  * accumulators fit in 16 registers. */
 static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_DIM / LANES], int rows, int chunks,
                                                                   const int *visible, const __m512i *pairs,
-                                                                  uint32_t (*weights)[BLOCK / 2]) {
+                                                                  uint32_t (*high)[BLOCK / 2],
+                                                                  uint32_t (*low)[BLOCK / 2]) {
     enum { REGISTERS = 16 };
     int set = chunks >= REGISTERS ? 1 : REGISTERS / chunks;
     for (int r0 = 0; r0 < rows; r0 += set) {
@@ -71,9 +83,12 @@ static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_
         for (int p = 0; p < (last + 1) / 2; p++)
             for (int r = 0; r < set; r++)
                 if (r < n) {
-                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)weights[r0 + r][p]);
-                    for (int c = 0; c < chunks; c++)
-                        sum[r * chunks + c] = _mm512_dpbf16_ps(sum[r * chunks + c], w, (__m512bh)pairs[p * chunks + c]);
+                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)high[r0 + r][p]);
+                    __m512bh rest = (__m512bh)_mm512_set1_epi32((int)low[r0 + r][p]);
+                    for (int c = 0; c < chunks; c++) {
+                        __m512bh v = (__m512bh)pairs[p * chunks + c];
+                        sum[r * chunks + c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(sum[r * chunks + c], w, v), rest, v);
+                    }
                 }
         for (int r = 0; r < set; r++)
             for (int c = 0; c < chunks; c++)
@@ -97,14 +112,15 @@ static inline __attribute__((always_inline)) void attend_block_dot_sized(
     __m512i pairs[BLOCK / 2 * chunks];
     pair_values(values, count, halves, pairs);
     float weights[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
-    uint32_t weight_pairs[MAX_ROWS][BLOCK / 2] __attribute__((aligned(64)));
+    uint32_t high[MAX_ROWS][BLOCK / 2] __attribute__((aligned(64))), low[MAX_ROWS][BLOCK / 2]
+        __attribute__((aligned(64)));
     int visible[MAX_ROWS];
     rows_visible(visible, rows, group, count, first_pos, last_pos);
     for (int r = 0; r < rows; r++)
         if (visible[r]) row_scores_dot((const __m512i *)query[r], halves, visible[r], keys, scale, weights[r]);
     softmax_rows(weights, visible, rows, acc, chunks, running_max, running_sum);
-    for (int r = 0; r < rows; r++) pair_weights(weights[r], weight_pairs[r]);
-    rows_values_dot(acc, rows, chunks, visible, pairs, weight_pairs);
+    for (int r = 0; r < rows; r++) pair_weights(weights[r], high[r], low[r]);
+    rows_values_dot(acc, rows, chunks, visible, pairs, high, low);
 }
 
 static void attend_block_dot(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,

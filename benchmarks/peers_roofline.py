@@ -136,7 +136,7 @@ def markdown_lines(report: dict) -> list[str]:
     for key, bound in ceiling.items():
         share = report["ceiling_shares"].get(key, {})
 
-        def cell(name: str) -> str:
+        def cell(name: str, share: dict = share) -> str:
             return f"{share[name]:.0%}" if name in share else "-"
         total = (bound["prefill"] + bound["decode"] + bound["head"]) / 1e12
         lines.append(f"| {key} | {bound['prefill_tokens']} | {total:.2f} | {bound['tok_s']:.0f} | {cell('furcate')} "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
+from .. import huge_pages
 from ..attention.base import ForwardBatch, ModelAttention
 from ..attention.select import make_attention_backend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -35,6 +36,7 @@ from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from ..serving_model import load_serving_model
 from .batch import ReqSlice, ScheduleBatch
+from .rank_control import model_tensors
 
 logger = logging.getLogger("furcate.model_runner")
 
@@ -97,6 +99,7 @@ class ModelRunner:
     def _load(self, args: EngineArgs, model_path: str) -> None:
         self.model, self.quantized = load_serving_model(model_path, self.dtype, args.quantization,
                                                         self._wants_graphs(args), args.device, self.tp)
+        huge_pages.collapse(model_tensors(self.model).values())
         attn = self.model.model.layers[0].self_attn  # this rank's KV heads
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length + 1)
         self.kv_pool = TokenToKVPool(

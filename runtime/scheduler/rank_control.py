@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from .. import huge_pages
 from ..distributed.followers import FollowerCall, FollowerReply
 from ..distributed.weight_group import destroy_weight_group, init_weight_group, receive_broadcast
 from ..model.packed_linear import repack_linears, unpack_linears
@@ -169,6 +170,7 @@ class RankControl:
         saved = load_file(path)
         for name, tensor in model_tensors(self.runner.model).items():
             tensor.data = saved[name].to(tensor.device)
+        huge_pages.collapse(saved.values())
         repack_linears(self.runner.model)
         shutil.rmtree(self.spill_dir, ignore_errors=True)
         self.spill_dir = None

@@ -7,10 +7,10 @@ Zen 5, 2 threads, medians of 30 alternating runs).
 
 Most distributions set THP to "madvise": a region gets huge pages only when asked. A tensor about to be filled
 (the KV pool) is asked before its first write (MADV_HUGEPAGE), so its pages fault in as huge ones; a tensor already
-written (the loaded weights) is collapsed in place (MADV_COLLAPSE, Linux 6.1 on; ~70 ms for 270 MB). Where the
-kernel lacks MADV_COLLAPSE, the MADV_HUGEPAGE advice still lets khugepaged collapse it later; where THP is off,
-nothing changes. Only whole 2 MiB pages inside a tensor's storage are asked for, so no neighbouring allocation
-changes. FURCATE_HUGE_PAGES=0 leaves memory as it is.
+written (the loaded weights, or pages the allocator reused) is collapsed in place (MADV_COLLAPSE, Linux 6.1 on;
+~70 ms for 270 MB). Where the kernel lacks MADV_COLLAPSE, the MADV_HUGEPAGE advice still lets khugepaged collapse
+it later; where THP is off, nothing changes. Only whole 2 MiB pages inside a tensor's storage are asked for, so no
+neighbouring allocation changes. FURCATE_HUGE_PAGES=0 leaves memory as it is.
 """
 
 from __future__ import annotations
@@ -85,7 +85,10 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros on the CPU, its pages asked to be huge before the zeros first touch them."""
-    tensor = torch.empty(shape, dtype=dtype)
+    """torch.zeros on the CPU, its pages asked to be huge before the zeros first touch them, and collapsed after
+    where the allocator handed back pages already touched (freed memory it kept)."""
+    tensor = torch.empty(shape, dtype=dtype, device="cpu")
     advise([tensor], MADV_HUGEPAGE)
-    return tensor.zero_()
+    tensor.zero_()
+    advise([tensor], MADV_COLLAPSE)
+    return tensor

@@ -251,24 +251,6 @@ static inline __attribute__((always_inline)) void attend_block_sized(
     rows_values(acc, rows, chunks, visible, values, weights);
 }
 
-static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
-                         float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots, int count,
-                         int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
-                         int kv_heads, int group, int chunks, int bf16) {
-#define SIZED(n)                                                                                              \
-    attend_block_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, first_pos, last_pos, \
-                       rows, pool_slots, h, kv_heads, group, n, bf16)
-    switch (chunks) { /* head_dim 16, 32, 64, 128, 256; others with a variable bound */
-    case 1: SIZED(1); break;
-    case 2: SIZED(2); break;
-    case 4: SIZED(4); break;
-    case 8: SIZED(8); break;
-    case 16: SIZED(16); break;
-    default: SIZED(chunks);
-    }
-#undef SIZED
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include "paged_attention_bf16.h"
 #endif
@@ -282,6 +264,38 @@ static inline int dot_bf16(int bf16, int chunks) {
     (void)bf16, (void)chunks;
     return 0;
 #endif
+}
+
+/* One KV head's rows over a block: paged_attention_bf16.h's bfloat16 products where `dot`, else the float path;
+ * inlined per head size, so that their loops have constant bounds. */
+static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
+                         float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots, int count,
+                         int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
+                         int kv_heads, int group, int chunks, int bf16, int dot, float scale) {
+#ifdef DOT_BF16
+#define DOT_SIZED(n)                                                                                          \
+    if (dot) {                                                                                                \
+        attend_block_dot_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, first_pos,   \
+                               last_pos, rows, pool_slots, h, kv_heads, group, n, scale);                       \
+        return;                                                                                               \
+    }
+#else
+#define DOT_SIZED(n) (void)dot, (void)scale;
+#endif
+#define SIZED(n)                                                                                              \
+    DOT_SIZED(n)                                                                                              \
+    attend_block_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, first_pos, last_pos, \
+                       rows, pool_slots, h, kv_heads, group, n, bf16)
+    switch (chunks) { /* head_dim 16, 32, 64, 128, 256; others with a variable bound */
+    case 1: SIZED(1); break;
+    case 2: SIZED(2); break;
+    case 4: SIZED(4); break;
+    case 8: SIZED(8); break;
+    case 16: SIZED(16); break;
+    default: SIZED(chunks);
+    }
+#undef SIZED
+#undef DOT_SIZED
 }
 
 /* Ask for the item's K and V rows (heads h0 .. h0+n-1) of `count` slots ahead of their use: a request's decoded
@@ -338,16 +352,9 @@ static void attend_item(Item it, const void *q, const void *k_pool, const void *
         }
         for (int k = 0; k < it.n; k++) {
             int at = k * rows;
-#ifdef DOT_BF16
-            if (dot) {
-                attend_block_dot(query + at, acc + at, running_max + at, running_sum + at, k_pool, v_pool,
-                                 slots + key, count, key, last_pos, rows, pool_slots, it.h0 + k, kv_heads, group,
-                                 chunks, scale);
-                continue;
-            }
-#endif
             attend_block(query + at, acc + at, running_max + at, running_sum + at, k_pool, v_pool, slots + key,
-                         count, key, last_pos, rows, pool_slots, it.h0 + k, kv_heads, group, chunks, bf16);
+                         count, key, last_pos, rows, pool_slots, it.h0 + k, kv_heads, group, chunks, bf16, dot,
+                         scale);
         }
     }
     for (int k = 0; k < it.n; k++)

@@ -123,23 +123,6 @@ static inline __attribute__((always_inline)) void attend_block_dot_sized(
     rows_values_dot(acc, rows, chunks, visible, pairs, high, low);
 }
 
-static void attend_block_dot(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
-                             float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots,
-                             int count, int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots,
-                             int h, int kv_heads, int group, int chunks, float scale) {
-#define SIZED(n)                                                                                                \
-    attend_block_dot_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, first_pos,       \
-                           last_pos, rows, pool_slots, h, kv_heads, group, n, scale)
-    switch (chunks) { /* head_dim 32, 64, 128, 256; others with a variable bound */
-    case 2: SIZED(2); break;
-    case 4: SIZED(4); break;
-    case 8: SIZED(8); break;
-    case 16: SIZED(16); break;
-    default: SIZED(chunks);
-    }
-#undef SIZED
-}
-
 /* An accumulator row in the head dimension's order again: each 32-wide part's two vectors from unpack order. */
 static inline void unpermute(vf *row, int chunks) {
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);

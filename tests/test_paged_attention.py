@@ -123,6 +123,54 @@ def test_bfloat16_is_float32_attention_rounded_once(bfloat16_build, new_tokens, 
     assert (out.float() == expected.to(torch.bfloat16).float()).float().mean() > 0.99
 
 
+def shared_prefix_case(groups, shared, heads, kv_heads, dim, dtype=torch.float32):
+    """Requests in groups (each a list of (new, cached) token counts) whose first `shared` cached slots are their
+    group's, the groups' requests interleaved in the batch, as forks of several programs decode side by side."""
+    members = [(g, n, c) for i in range(max(map(len, groups))) for g, group in enumerate(groups) if i < len(group)
+               for n, c in [group[i]]]
+    q, k_pool, v_pool, kv_index, spans = case([n for _, n, _ in members], [c for _, _, c in members], heads,
+                                              kv_heads, dim)
+    prefixes = torch.randperm(POOL - 1, generator=torch.Generator().manual_seed(1))[: len(groups) * shared] + 1
+    for b, (g, _, _) in enumerate(members):
+        kv_index[b, :shared] = prefixes[g * shared:(g + 1) * shared]
+    floating = (q, k_pool, v_pool) if dtype == torch.float32 else (t.to(dtype) for t in (q, k_pool, v_pool))
+    return *floating, kv_index, spans
+
+
+def each_alone(attend, q, k_pool, v_pool, kv_index, spans, scale):
+    """Every request of the batch attended in a batch of its own."""
+    outs = []
+    for b, (first, count, cached) in enumerate(spans.t().tolist()):
+        alone = paged_attention.spans(torch.tensor([0]), torch.tensor([count]), torch.tensor([cached]))
+        outs.append(attend(q[first:first + count], k_pool, v_pool, kv_index[b:b + 1], alone, scale))
+    return torch.cat(outs)
+
+
+SHARED_PREFIX_CASES = [
+    # four programs' forks decoding after 512 shared tokens and suffixes of their own (one exactly at the prefix)
+    ([[(1, 512 + s) for s in (0, 3, 40, 70, 100, 1, 64, 9)]] * 4, 512, 9, 3, 64),
+    # more members than one work item's rows, prefill tokens among them, a prefix not a multiple of BLOCK
+    ([[(1, 200), (5, 150), (16, 140), (1, 139), (2, 300), (1, 160), (3, 170)], [(1, 100)] * 3], 139, 9, 3, 64),
+    ([[(1, 90)] * 5, [(1, 70), (1, 63)]], 63, 8, 2, 32),  # fewer shared slots than a block: no group
+    ([[(1, 300)] * 6], 256, 32, 8, 128),
+]
+
+
+@pytest.mark.parametrize("groups, shared, heads, kv_heads, dim", SHARED_PREFIX_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_requests_sharing_a_prefix_get_what_each_gets_alone(attend, groups, shared, heads, kv_heads, dim, dtype):
+    """Requests whose tables start with the same cached slots read those keys together: their outputs are the
+    ones each gets in a batch of its own, to the bit, and SDPA's."""
+    q, k_pool, v_pool, kv_index, spans = shared_prefix_case(groups, shared, heads, kv_heads, dim, dtype)
+    out = attend(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    assert torch.equal(out, each_alone(attend, q, k_pool, v_pool, kv_index, spans, dim**-0.5))
+    expected = reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
+    else:
+        torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-5)
+
+
 @pytest.mark.parametrize("dim", [16, 64])  # the float path; bfloat16 products where the CPU has them
 def test_bfloat16_nan_stays_nan(attend, dim):
     q, k_pool, v_pool, kv_index, spans = bfloat16_case([1], [8], 4, 2, dim)

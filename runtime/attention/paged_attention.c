@@ -14,6 +14,11 @@
  * maximum rises), then the block's values, taken by sets of rows so that a value row is read once a set. The next
  * block's rows are prefetched: a request's decoded tokens lie a batch's worth of slots apart.
  *
+ * Requests whose tables start with the same cached slots (a program's forks, the choices of a select, a batch
+ * behind one system prompt) are a work item together where their rows fit: the shared keys are read once for all
+ * their rows, then each request's rows go on over its own keys (a cascade, without a merge: the online softmax
+ * simply continues). At batch 32 with 512 shared tokens, each shared key row is otherwise read 32 times a layer.
+ *
  * float32 or bfloat16 queries, pool and output (one type for all three). bfloat16 is computed as float32: on a CPU
  * with AVX512-BF16 by bfloat16 products summed in float32 (paged_attention_bf16.h), elsewhere by widening each row
  * to float32 as it is read. Either way the output is rounded to the nearest bfloat16 once, at the end.
@@ -312,80 +317,81 @@ static void prefetch_rows(const void *k_pool, const void *v_pool, const int64_t 
     }
 }
 
-/* What one work item covers: `tokens` new tokens of request b from its token `first` on, KV heads h0 .. h0+n-1. */
-typedef struct {
-    int b, first, tokens, h0, n;
-} Item;
+#include "paged_attention_plan.h"
 
-/* An item's queries (token t's row of q is start + first + t) against the request's slots up to each token's own
- * position (prefix + first + t). */
-static void attend_item(Item it, const void *q, const void *k_pool, const void *v_pool, const int64_t *slots,
-                        int64_t start, int64_t prefix, int64_t pool_slots, int heads, int kv_heads, int group,
-                        int chunks, float scale, void *out, int bf16) {
+/* Keys [from, to) of one slot table for some of an item's rows: rows [r0, r0 + rows) of each of its n heads' sets
+ * of `stride` rows; row r0 + r is of the token whose last position is last_pos[r / group]. */
+static void attend_keys(const Batch *x, Item it, vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES],
+                        float *running_max, float *running_sum, const int64_t *slots, int64_t from, int64_t to,
+                        const int64_t *last_pos, int r0, int rows, int stride) {
+    int row_bytes = x->chunks * LANES * (x->bf16 ? 2 : 4);
+    for (int64_t key = from; key < to; key += BLOCK) {
+        int count = to - key < BLOCK ? (int)(to - key) : BLOCK;
+        if (key + BLOCK < to) {
+            int next = to - key - BLOCK < BLOCK ? (int)(to - key - BLOCK) : BLOCK;
+            prefetch_rows(x->k_pool, x->v_pool, slots + key + BLOCK, next, x->pool_slots, x->kv_heads, it.h0, it.n,
+                          row_bytes);
+        }
+        for (int k = 0; k < it.n; k++) {
+            int at = k * stride + r0;
+            attend_block(query + at, acc + at, running_max + at, running_sum + at, x->k_pool, x->v_pool,
+                         slots + key, count, key, last_pos, rows, x->pool_slots, it.h0 + k, x->kv_heads, x->group,
+                         x->chunks, x->bf16, x->dot, x->scale);
+        }
+    }
+}
+
+/* The item's queries against their requests' slots up to each token's own position: the shared keys for all
+ * rows at once, then each member's own. Token t of the item is row q_row[t] of q and out. */
+static void attend_item(const Batch *x, Item it, const int *order) {
     vf query[MAX_ROWS][MAX_DIM / LANES], acc[MAX_ROWS][MAX_DIM / LANES];
     float running_max[MAX_ROWS], running_sum[MAX_ROWS];
-    int64_t last_pos[MAX_TILE];
-    int rows = it.tokens * group, dot = dot_bf16(bf16, chunks);
-    for (int t = 0; t < it.tokens; t++) last_pos[t] = prefix + it.first + t;
-    for (int k = 0; k < it.n; k++) {
-        vf (*qs)[MAX_DIM / LANES] = query + k * rows;
+    int64_t last_pos[MAX_ROWS], q_row[MAX_ROWS];
+    int first_token[MAX_ROWS + 1], tokens = 0, group = x->group, chunks = x->chunks;
+    for (int m = 0; m < it.members; m++) {
+        int b = order[it.member + m];
+        int first = it.members == 1 ? it.first : 0, count = it.members == 1 ? it.tokens : (int)x->q_counts[b];
+        first_token[m] = tokens;
+        for (int t = first; t < first + count; t++, tokens++) {
+            q_row[tokens] = x->q_starts[b] + t;
+            last_pos[tokens] = x->prefix_lens[b] + t;
+        }
+    }
+    first_token[it.members] = tokens;
+    int rows = tokens * group;
+    for (int k = 0; k < it.n; k++)
         for (int r = 0; r < rows; r++) { /* row r: token r / group, query head (h0 + k) * group + r % group */
-            int64_t row = (start + it.first + r / group) * heads + (it.h0 + k) * group + r % group;
-            if (dot) { /* the bfloat16 row as it is, in the first half of its place */
-                memcpy(qs[r], (const uint16_t *)q + row * chunks * LANES, (size_t)chunks * LANES * 2);
+            int64_t row = q_row[r / group] * x->heads + (it.h0 + k) * group + r % group;
+            vf *qs = query[k * rows + r];
+            if (x->dot) { /* the bfloat16 row as it is, in the first half of its place */
+                memcpy(qs, (const uint16_t *)x->q + row * chunks * LANES, (size_t)chunks * LANES * 2);
             } else {
-                load_row(q, row, chunks, qs[r], bf16);
-                for (int c = 0; c < chunks; c++) qs[r][c] *= scale;
+                load_row(x->q, row, chunks, qs, x->bf16);
+                for (int c = 0; c < chunks; c++) qs[c] *= x->scale;
             }
             for (int c = 0; c < chunks; c++) acc[k * rows + r][c] = (vf){};
             running_max[k * rows + r] = -3.0e38f;
             running_sum[k * rows + r] = 0.0f;
         }
-    }
-    int64_t len = last_pos[it.tokens - 1] + 1; /* keys the item's last token sees */
-    int row_bytes = chunks * LANES * (bf16 ? 2 : 4);
-    for (int64_t key = 0; key < len; key += BLOCK) {
-        int count = len - key < BLOCK ? (int)(len - key) : BLOCK;
-        if (key + BLOCK < len) {
-            int next = len - key - BLOCK < BLOCK ? (int)(len - key - BLOCK) : BLOCK;
-            prefetch_rows(k_pool, v_pool, slots + key + BLOCK, next, pool_slots, kv_heads, it.h0, it.n, row_bytes);
-        }
-        for (int k = 0; k < it.n; k++) {
-            int at = k * rows;
-            attend_block(query + at, acc + at, running_max + at, running_sum + at, k_pool, v_pool, slots + key,
-                         count, key, last_pos, rows, pool_slots, it.h0 + k, kv_heads, group, chunks, bf16, dot,
-                         scale);
-        }
+    const int64_t *first_slots = x->slots + (int64_t)order[it.member] * x->table_len;
+    attend_keys(x, it, query, acc, running_max, running_sum, first_slots, 0, it.shared, last_pos, 0, rows, rows);
+    for (int m = 0; m < it.members; m++) {
+        int t0 = first_token[m], t1 = first_token[m + 1];
+        const int64_t *slots = x->slots + (int64_t)order[it.member + m] * x->table_len;
+        attend_keys(x, it, query, acc, running_max, running_sum, slots, it.shared, last_pos[t1 - 1] + 1,
+                    last_pos + t0, t0 * group, (t1 - t0) * group, rows);
     }
     for (int k = 0; k < it.n; k++)
         for (int r = 0; r < rows; r++) {
             int i = k * rows + r;
 #ifdef DOT_BF16
-            if (dot) unpermute(acc[i], chunks);
+            if (x->dot) unpermute(acc[i], chunks);
 #endif
             float inverse = running_sum[i] > 0.0f ? 1.0f / running_sum[i] : 0.0f;
             for (int c = 0; c < chunks; c++) acc[i][c] *= inverse;
-            int64_t token = start + it.first + r / group;
-            store_row(out, token * heads + (it.h0 + k) * group + r % group, chunks, acc[i], bf16);
+            store_row(x->out, q_row[r / group] * x->heads + (it.h0 + k) * group + r % group, chunks, acc[i],
+                      x->bf16);
         }
-}
-
-/* The items of a batch: each request's new tokens in tiles, each tile with as many KV heads as MAX_ROWS rows
- * allow, but one KV head an item where fewer than two items a thread would come of it (a small decode batch),
- * so that every thread has work. Returns how many were written into items (room for max_items). */
-static int plan_items(const int64_t *q_counts, int batch, int kv_heads, int group, int threads, Item *items,
-                      int max_items) {
-    int tile = MAX_ROWS / group < MAX_TILE ? MAX_ROWS / group : MAX_TILE, tiles = 0;
-    for (int b = 0; b < batch; b++) tiles += (int)((q_counts[b] + tile - 1) / tile);
-    int per_item = tiles >= 2 * threads ? kv_heads : 1, count = 0;
-    for (int b = 0; b < batch; b++)
-        for (int first = 0; first < q_counts[b]; first += tile) {
-            int tokens = q_counts[b] - first < tile ? (int)(q_counts[b] - first) : tile;
-            int heads_fit = MAX_ROWS / (tokens * group), n = per_item < heads_fit ? per_item : heads_fit;
-            for (int h0 = 0; h0 < kv_heads && count < max_items; h0 += n)
-                items[count++] = (Item){b, first, tokens, h0, kv_heads - h0 < n ? kv_heads - h0 : n};
-        }
-    return count;
 }
 
 /* Whether bfloat16 pools take paged_attention_bf16.h's path in this build (where the head dimension allows). */
@@ -408,22 +414,21 @@ int paged_attention(const void *q, const void *k_pool, const void *v_pool, int64
     if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || dim > MAX_DIM || dim <= 0
         || dim % LANES)
         return -1;
-    const int64_t *q_starts = spans, *q_counts = spans + batch, *prefix_lens = spans + 2 * (int64_t)batch;
+    Batch x = {q, k_pool, v_pool, slots, spans, spans + batch, spans + 2 * (int64_t)batch, table_len, pool_slots,
+               heads, kv_heads, heads / kv_heads, dim / LANES, bf16, dot_bf16(bf16, dim / LANES), scale, out};
+    if (batch <= 0) return 0;
     int64_t most = 0;
     for (int b = 0; b < batch; b++) {
-        if (q_counts[b] < 1 || prefix_lens[b] < 0 || prefix_lens[b] + q_counts[b] > table_len) return -2;
-        most += q_counts[b] * kv_heads; /* an item has a token and a head at least */
+        if (x.q_counts[b] < 1 || x.prefix_lens[b] < 0 || x.prefix_lens[b] + x.q_counts[b] > table_len) return -2;
+        most += x.q_counts[b]; /* a unit has a token at least */
     }
-    int group = heads / kv_heads, chunks = dim / LANES;
-    Item *items = malloc((size_t)most * sizeof(Item));
-    if (items == NULL && most > 0) return -3;
-    int count = plan_items(q_counts, batch, kv_heads, group, threads, items, (int)most);
+    Item *units = malloc((size_t)most * sizeof(Item)), *items = malloc((size_t)most * kv_heads * sizeof(Item));
+    int *order = malloc((size_t)batch * sizeof(int));
+    int count = -1;
+    if (units && items && order && sort_requests(&x, batch, order) == 0)
+        count = plan_items(&x, units, plan_units(&x, batch, order, units), threads, order, items);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int i = 0; i < count; i++) {
-        Item it = items[i];
-        attend_item(it, q, k_pool, v_pool, slots + (int64_t)it.b * table_len, q_starts[it.b], prefix_lens[it.b],
-                    pool_slots, heads, kv_heads, group, chunks, scale, out, bf16);
-    }
-    free(items);
-    return 0;
+    for (int i = 0; i < count; i++) attend_item(&x, items[i], order);
+    free(units), free(items), free(order);
+    return count < 0 ? -3 : 0;
 }

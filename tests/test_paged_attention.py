@@ -171,6 +171,35 @@ def test_requests_sharing_a_prefix_get_what_each_gets_alone(attend, groups, shar
         torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_of_groups_get_what_each_gets_alone(attend, seed):
+    """Batches drawn at random: groups of up to 20 requests, each after a shared prefix of 0-300 slots, with 1-20 new
+    tokens after their own cached ones (so groups split where rows run out, and members cache less than the
+    prefix), under three head layouts."""
+    rng = torch.Generator().manual_seed(seed)
+    draw = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=rng))  # noqa: E731
+    heads, kv_heads, dim = [(9, 3, 64), (8, 8, 32), (16, 2, 16)][seed % 3]
+    shared = draw(0, 300)
+    groups = [[(draw(1, 1) if draw(0, 3) else draw(2, 20), shared + draw(-20, 40)) for _ in range(draw(1, 20))]
+              for _ in range(draw(1, 4))]
+    groups = [[(n, max(c, 0)) for n, c in group] for group in groups]
+    q, k_pool, v_pool, kv_index, spans = shared_prefix_case(groups, shared, heads, kv_heads, dim)
+    out = attend(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    assert torch.equal(out, each_alone(attend, q, k_pool, v_pool, kv_index, spans, dim**-0.5))
+    torch.testing.assert_close(out, reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5), rtol=2e-5, atol=2e-5)
+
+
+def test_a_shared_prefix_with_slots_outside_the_pool_reads_slot_zero(attend):
+    """A corrupt slot inside a shared prefix, in every table of the group, reads slot 0 there too."""
+    q, k_pool, v_pool, kv_index, spans = shared_prefix_case([[(1, 100)] * 4], 70, 4, 2, 16)
+    bad = kv_index.clone()
+    bad[:, 5], bad[:, 40] = POOL + 10**9, -5
+    fixed = bad.clone()
+    fixed[:, 5], fixed[:, 40] = 0, 0
+    torch.testing.assert_close(attend(q, k_pool, v_pool, bad, spans, 0.25),
+                               attend(q, k_pool, v_pool, fixed, spans, 0.25))
+
+
 @pytest.mark.parametrize("dim", [16, 64])  # the float path; bfloat16 products where the CPU has them
 def test_bfloat16_nan_stays_nan(attend, dim):
     q, k_pool, v_pool, kv_index, spans = bfloat16_case([1], [8], 4, 2, dim)

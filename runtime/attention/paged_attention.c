@@ -11,8 +11,8 @@
  * and some of its KV heads; the heads take each block of keys in turn, so a slot's row (all heads side by side)
  * comes from memory once. Per head and block of BLOCK keys: scores (16 keys' dot products summed at once),
  * causal masking per row, an online softmax (a running maximum and sum, the accumulated values rescaled when the
- * maximum rises), then the block's values, taken by sets of rows so that a value row is read once a set. The next
- * block's rows are prefetched: a request's decoded tokens lie a batch's worth of slots apart.
+ * maximum rises), then the block's values, taken by sets of rows so that a value row is read once a set. Each head
+ * asks for its rows of the next block as it goes: a request's decoded tokens lie a batch's worth of slots apart.
  *
  * Requests whose tables start with the same cached slots (a program's forks, the choices of a select, a batch
  * behind one system prompt) are a work item together where their rows fit: the shared keys are read once for all
@@ -232,13 +232,33 @@ static inline void rows_visible(int *visible, int rows, int group, int count, in
     }
 }
 
+/* The next block's slots (count of them; 0 at an item's last block), whose rows a block asks for while it reads its
+ * own: a request's decoded tokens lie a batch's worth of slots apart, where the hardware prefetcher does not follow.
+ * A few rows at a time, between the block's own loads and products: asked for all at once, at the block's start, the
+ * next block came no sooner; spread, bfloat16 decode at batch 32 ran ~10% faster and float32 ~4%. */
+typedef struct {
+    const int64_t *slots;
+    int count;
+} Ahead;
+
+/* Ask for head h's K and V rows of the next block's j-th slot. */
+static inline void prefetch_ahead(Ahead ahead, int j, const void *k_pool, const void *v_pool, int64_t pool_slots,
+                                  int kv_heads, int h, int row_bytes) {
+    if (j >= ahead.count) return;
+    int64_t at = (checked(ahead.slots[j], pool_slots) * kv_heads + h) * row_bytes;
+    for (int line = 0; line < row_bytes; line += 64) {
+        __builtin_prefetch((const char *)k_pool + at + line);
+        __builtin_prefetch((const char *)v_pool + at + line);
+    }
+}
+
 /* One KV head's query rows (tokens x group; row r = token r / group) over a block of `count` keys at slots, the
  * block's first key at position `first_pos`; row r sees keys up to position last_pos[r / group]. The block's
  * keys and values are widened once into float buffers, then each row scores them with its query in registers, and
  * the rows take the values in sets. Inlined per head size (chunks), so that those loops have constant bounds. */
 static inline __attribute__((always_inline)) void attend_block_sized(
     vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
-    const void *k_pool, const void *v_pool, const int64_t *slots, int count, int64_t first_pos,
+    const void *k_pool, const void *v_pool, const int64_t *slots, int count, Ahead ahead, int64_t first_pos,
     const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, int bf16) {
     vf keys[BLOCK * chunks], values[BLOCK * chunks];
     float weights[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
@@ -250,8 +270,12 @@ static inline __attribute__((always_inline)) void attend_block_sized(
     }
     for (int j = count * chunks; j < ((count + 15) & ~15) * chunks; j++) keys[j] = (vf){};
     rows_visible(visible, rows, group, count, first_pos, last_pos);
-    for (int r = 0; r < rows; r++)
+    int row_bytes = chunks * LANES * (bf16 ? 2 : 4), per_row = (ahead.count + rows - 1) / rows;
+    for (int r = 0; r < rows; r++) {
+        for (int j = r * per_row; j < (r + 1) * per_row; j++)
+            prefetch_ahead(ahead, j, k_pool, v_pool, pool_slots, kv_heads, h, row_bytes);
         if (visible[r]) row_scores(query[r], chunks, visible[r], keys, weights[r]);
+    }
     softmax_rows(weights, visible, rows, acc, chunks, running_max, running_sum);
     rows_values(acc, rows, chunks, visible, values, weights);
 }
@@ -275,13 +299,13 @@ static inline int dot_bf16(int bf16, int chunks) {
  * inlined per head size, so that their loops have constant bounds. */
 static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
                          float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots, int count,
-                         int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
+                         Ahead ahead, int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
                          int kv_heads, int group, int chunks, int bf16, int dot, float scale) {
 #ifdef DOT_BF16
 #define DOT_SIZED(n)                                                                                          \
     if (dot) {                                                                                                \
-        attend_block_dot_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, first_pos,   \
-                               last_pos, rows, pool_slots, h, kv_heads, group, n, scale);                       \
+        attend_block_dot_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, ahead,       \
+                               first_pos, last_pos, rows, pool_slots, h, kv_heads, group, n, scale);            \
         return;                                                                                               \
     }
 #else
@@ -289,8 +313,8 @@ static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES
 #endif
 #define SIZED(n)                                                                                              \
     DOT_SIZED(n)                                                                                              \
-    attend_block_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, first_pos, last_pos, \
-                       rows, pool_slots, h, kv_heads, group, n, bf16)
+    attend_block_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, ahead, first_pos,    \
+                       last_pos, rows, pool_slots, h, kv_heads, group, n, bf16)
     switch (chunks) { /* head_dim 16, 32, 64, 128, 256; others with a variable bound */
     case 1: SIZED(1); break;
     case 2: SIZED(2); break;
@@ -303,20 +327,6 @@ static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES
 #undef DOT_SIZED
 }
 
-/* Ask for the item's K and V rows (heads h0 .. h0+n-1) of `count` slots ahead of their use: a request's decoded
- * tokens lie a batch's worth of slots apart, where the hardware prefetcher does not follow. */
-static void prefetch_rows(const void *k_pool, const void *v_pool, const int64_t *slots, int count,
-                          int64_t pool_slots, int kv_heads, int h0, int n, int row_bytes) {
-    int64_t bytes = (int64_t)n * row_bytes;
-    for (int j = 0; j < count; j++) {
-        int64_t at = (checked(slots[j], pool_slots) * kv_heads + h0) * row_bytes;
-        for (int64_t line = 0; line < bytes; line += 64) {
-            __builtin_prefetch((const char *)k_pool + at + line);
-            __builtin_prefetch((const char *)v_pool + at + line);
-        }
-    }
-}
-
 #include "paged_attention_plan.h"
 
 /* Keys [from, to) of one slot table for some of an item's rows: rows [r0, r0 + rows) of each of its n heads' sets
@@ -324,19 +334,14 @@ static void prefetch_rows(const void *k_pool, const void *v_pool, const int64_t 
 static void attend_keys(const Batch *x, Item it, vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES],
                         float *running_max, float *running_sum, const int64_t *slots, int64_t from, int64_t to,
                         const int64_t *last_pos, int r0, int rows, int stride) {
-    int row_bytes = x->chunks * LANES * (x->bf16 ? 2 : 4);
     for (int64_t key = from; key < to; key += BLOCK) {
         int count = to - key < BLOCK ? (int)(to - key) : BLOCK;
-        if (key + BLOCK < to) {
-            int next = to - key - BLOCK < BLOCK ? (int)(to - key - BLOCK) : BLOCK;
-            prefetch_rows(x->k_pool, x->v_pool, slots + key + BLOCK, next, x->pool_slots, x->kv_heads, it.h0, it.n,
-                          row_bytes);
-        }
+        Ahead ahead = {slots + key + BLOCK, to - key - count < BLOCK ? (int)(to - key - count) : BLOCK};
         for (int k = 0; k < it.n; k++) {
             int at = k * stride + r0;
             attend_block(query + at, acc + at, running_max + at, running_sum + at, x->k_pool, x->v_pool,
-                         slots + key, count, key, last_pos, rows, x->pool_slots, it.h0 + k, x->kv_heads, x->group,
-                         x->chunks, x->bf16, x->dot, x->scale);
+                         slots + key, count, ahead, key, last_pos, rows, x->pool_slots, it.h0 + k, x->kv_heads,
+                         x->group, x->chunks, x->bf16, x->dot, x->scale);
         }
     }
 }

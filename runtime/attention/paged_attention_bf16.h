@@ -38,14 +38,19 @@ static inline __attribute__((always_inline)) void row_scores_dot(const __m512i *
 }
 
 /* Keys 2p and 2p + 1's values interleaved, bfloat16 by bfloat16, as `chunks` vectors of pairs (unpacking within
- * 128-bit lanes: the low vector of each 32-wide part holds its dimensions 0-3, 8-11, 16-19, 24-27). */
-static inline void pair_values(const uint16_t *const *values, int count, int halves, __m512i *pairs) {
-    for (int p = 0; p < (count + 1) / 2; p++)
+ * 128-bit lanes: the low vector of each 32-wide part holds its dimensions 0-3, 8-11, 16-19, 24-27); the next block's
+ * rows 2p and 2p + 1 of head h asked for on the way (prefetch_ahead). */
+static inline void pair_values(const uint16_t *const *values, int count, int halves, __m512i *pairs, Ahead ahead,
+                               const void *k_pool, const void *v_pool, int64_t pool_slots, int kv_heads, int h) {
+    for (int p = 0; p < (count + 1) / 2; p++) {
+        prefetch_ahead(ahead, 2 * p, k_pool, v_pool, pool_slots, kv_heads, h, halves * 64);
+        prefetch_ahead(ahead, 2 * p + 1, k_pool, v_pool, pool_slots, kv_heads, h, halves * 64);
         for (int i = 0; i < halves; i++) {
             __m512i a = _mm512_loadu_si512(values[2 * p] + 32 * i), b = _mm512_loadu_si512(values[2 * p + 1] + 32 * i);
             pairs[(p * halves + i) * 2] = _mm512_unpacklo_epi16(a, b);
             pairs[(p * halves + i) * 2 + 1] = _mm512_unpackhi_epi16(a, b);
         }
+    }
 }
 
 /* A row's BLOCK weights as BLOCK / 2 pairs of bfloat16, twice: each weight rounded to bfloat16 (high), and what
@@ -100,7 +105,7 @@ static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_
  * (unscaled) in its first halves vectors. */
 static inline __attribute__((always_inline)) void attend_block_dot_sized(
     vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
-    const void *k_pool, const void *v_pool, const int64_t *slots, int count, int64_t first_pos,
+    const void *k_pool, const void *v_pool, const int64_t *slots, int count, Ahead ahead, int64_t first_pos,
     const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, float scale) {
     int halves = chunks / 2, dim = chunks * LANES;
     const uint16_t *keys[BLOCK + 1], *values[BLOCK + 1]; /* past count: a row of zeros */
@@ -110,7 +115,7 @@ static inline __attribute__((always_inline)) void attend_block_dot_sized(
         values[j] = row < 0 ? ZERO_ROW : (const uint16_t *)v_pool + row * dim;
     }
     __m512i pairs[BLOCK / 2 * chunks];
-    pair_values(values, count, halves, pairs);
+    pair_values(values, count, halves, pairs, ahead, k_pool, v_pool, pool_slots, kv_heads, h);
     float weights[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
     uint32_t high[MAX_ROWS][BLOCK / 2] __attribute__((aligned(64))), low[MAX_ROWS][BLOCK / 2]
         __attribute__((aligned(64)));

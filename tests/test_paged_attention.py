@@ -123,6 +123,28 @@ def test_bfloat16_is_float32_attention_rounded_once(bfloat16_build, new_tokens, 
     assert (out.float() == expected.to(torch.bfloat16).float()).float().mean() > 0.99
 
 
+def random_prefills(seed):
+    """1-4 requests of 2-50 new tokens after 0-150 cached ones, at a head shape of each group size."""
+    generator = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = [(9, 3, 64), (8, 8, 64), (16, 4, 128), (32, 2, 32)][seed % 4]
+    batch = int(torch.randint(1, 5, (1,), generator=generator))
+    new_tokens = torch.randint(2, 51, (batch,), generator=generator).tolist()
+    return new_tokens, torch.randint(0, 151, (batch,), generator=generator).tolist(), heads, kv_heads, dim
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bfloat16_prefill_tiles(bfloat16_build, seed):
+    """Tiles of a request's new tokens (where the CPU has AVX512-BF16, scored many rows at once with their query
+    pairs transposed): partial vectors of rows, several KV heads an item, blocks cut by the causal mask and by a
+    cached prefix, all float32 attention rounded once, as the rows' own path is."""
+    new_tokens, cached, heads, kv_heads, dim = random_prefills(seed)
+    q, k_pool, v_pool, kv_index, spans = bfloat16_case(new_tokens, cached, heads, kv_heads, dim)
+    out = bfloat16_build(q, k_pool, v_pool, kv_index, spans, dim**-0.5)
+    expected = reference(q, k_pool, v_pool, kv_index, spans, dim**-0.5).to(torch.bfloat16).float()
+    torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-5)
+    assert (out.float() == expected).float().mean() > 0.99
+
+
 def shared_prefix_case(groups, shared, heads, kv_heads, dim, dtype=torch.float32):
     """Requests in groups (each a list of (new, cached) token counts) whose first `shared` cached slots are their
     group's, the groups' requests interleaved in the batch, as forks of several programs decode side by side."""

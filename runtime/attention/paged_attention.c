@@ -20,8 +20,9 @@
  * simply continues). At batch 32 with 512 shared tokens, each shared key row is otherwise read 32 times a layer.
  *
  * float32 or bfloat16 queries, pool and output (one type for all three). bfloat16 is computed as float32: on a CPU
- * with AVX512-BF16 by bfloat16 products summed in float32 (paged_attention_bf16.h), elsewhere by widening each row
- * to float32 as it is read. Either way the output is rounded to the nearest bfloat16 once, at the end.
+ * with AVX512-BF16 by bfloat16 products summed in float32 (paged_attention_bf16.h, where the rows of a request with
+ * several new tokens are scored 16 at a time across a vector's lanes), elsewhere by widening each row to float32 as
+ * it is read. Either way the output is rounded to the nearest bfloat16 once, at the end.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,6 +34,7 @@
 #define MAX_TILE 16   /* tokens a prefill tile holds */
 #define MAX_DIM 256   /* head dimension, a multiple of LANES */
 #define LANES 16      /* floats in a vector: one AVX512 register, two AVX2 ones (the compiler splits it) */
+#define QT_STRIDE (MAX_ROWS + 16) /* a tile's transposed query pairs a pair, with room for a last vector's lanes */
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
@@ -300,16 +302,16 @@ static inline int dot_bf16(int bf16, int chunks) {
 static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
                          float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots, int count,
                          Ahead ahead, int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
-                         int kv_heads, int group, int chunks, int bf16, int dot, float scale) {
+                         int kv_heads, int group, int chunks, int bf16, int dot, float scale, const uint32_t *qt) {
 #ifdef DOT_BF16
 #define DOT_SIZED(n)                                                                                          \
     if (dot) {                                                                                                \
         attend_block_dot_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, ahead,       \
-                               first_pos, last_pos, rows, pool_slots, h, kv_heads, group, n, scale);            \
+                               first_pos, last_pos, rows, pool_slots, h, kv_heads, group, n, scale, qt);        \
         return;                                                                                               \
     }
 #else
-#define DOT_SIZED(n) (void)dot, (void)scale;
+#define DOT_SIZED(n) (void)dot, (void)scale, (void)qt;
 #endif
 #define SIZED(n)                                                                                              \
     DOT_SIZED(n)                                                                                              \
@@ -330,10 +332,11 @@ static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES
 #include "paged_attention_plan.h"
 
 /* Keys [from, to) of one slot table for some of an item's rows: rows [r0, r0 + rows) of each of its n heads' sets
- * of `stride` rows; row r0 + r is of the token whose last position is last_pos[r / group]. */
+ * of `stride` rows; row r0 + r is of the token whose last position is last_pos[r / group]. qt: the rows' query
+ * pairs transposed, for a tile's rows (paged_attention_bf16.h), else NULL. */
 static void attend_keys(const Batch *x, Item it, vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES],
                         float *running_max, float *running_sum, const int64_t *slots, int64_t from, int64_t to,
-                        const int64_t *last_pos, int r0, int rows, int stride) {
+                        const int64_t *last_pos, int r0, int rows, int stride, const uint32_t *qt) {
     for (int64_t key = from; key < to; key += BLOCK) {
         int count = to - key < BLOCK ? (int)(to - key) : BLOCK;
         Ahead ahead = {slots + key + BLOCK, to - key - count < BLOCK ? (int)(to - key - count) : BLOCK};
@@ -341,9 +344,28 @@ static void attend_keys(const Batch *x, Item it, vf (*query)[MAX_DIM / LANES], v
             int at = k * stride + r0;
             attend_block(query + at, acc + at, running_max + at, running_sum + at, x->k_pool, x->v_pool,
                          slots + key, count, ahead, key, last_pos, rows, x->pool_slots, it.h0 + k, x->kv_heads,
-                         x->group, x->chunks, x->bf16, x->dot, x->scale);
+                         x->group, x->chunks, x->bf16, x->dot, x->scale, qt ? qt + at : NULL);
         }
     }
+}
+
+/* For the rows of requests with several new tokens (tiled()): their query pairs transposed (pair p of row r at
+ * p * QT_STRIDE + r) in qt; else NULL (decode rows, one token a request, keep the row path). */
+static const uint32_t *tile_pairs(const Batch *x, Item it, const int *order, vf (*query)[MAX_DIM / LANES],
+                                  int rows, uint32_t *qt) {
+#ifdef DOT_BF16
+    if (!tiled(x, order[it.member])) return NULL;
+    int pairs = x->chunks * LANES / 2;
+    memset(qt, 0, sizeof(uint32_t) * pairs * QT_STRIDE);
+    for (int r = 0; r < it.n * rows; r++) {
+        const uint32_t *row = (const uint32_t *)query[r];
+        for (int p = 0; p < pairs; p++) qt[p * QT_STRIDE + r] = row[p];
+    }
+    return qt;
+#else
+    (void)x, (void)it, (void)order, (void)query, (void)rows, (void)qt;
+    return NULL;
+#endif
 }
 
 /* The item's queries against their requests' slots up to each token's own position: the shared keys for all
@@ -378,13 +400,16 @@ static void attend_item(const Batch *x, Item it, const int *order) {
             running_max[k * rows + r] = -3.0e38f;
             running_sum[k * rows + r] = 0.0f;
         }
+    uint32_t transposed[MAX_DIM / 2 * QT_STRIDE] __attribute__((aligned(64)));
+    const uint32_t *qt = tile_pairs(x, it, order, query, rows, transposed);
     const int64_t *first_slots = x->slots + (int64_t)order[it.member] * x->table_len;
-    attend_keys(x, it, query, acc, running_max, running_sum, first_slots, 0, it.shared, last_pos, 0, rows, rows);
+    attend_keys(x, it, query, acc, running_max, running_sum, first_slots, 0, it.shared, last_pos, 0, rows, rows,
+                qt);
     for (int m = 0; m < it.members; m++) {
         int t0 = first_token[m], t1 = first_token[m + 1];
         const int64_t *slots = x->slots + (int64_t)order[it.member + m] * x->table_len;
         attend_keys(x, it, query, acc, running_max, running_sum, slots, it.shared, last_pos[t1 - 1] + 1,
-                    last_pos + t0, t0 * group, (t1 - t0) * group, rows);
+                    last_pos + t0, t0 * group, (t1 - t0) * group, rows, qt);
     }
     for (int k = 0; k < it.n; k++)
         for (int r = 0; r < rows; r++) {

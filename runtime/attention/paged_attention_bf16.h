@@ -70,12 +70,18 @@ static inline void pair_weights(const float *w, uint32_t *high, uint32_t *low) {
     }
 }
 
+/* Where row r's weight pair p lies in a block's weights: r * row + p * pair (row by row for the rows' own scores,
+ * pair by pair for a tile's). */
+typedef struct {
+    int row, pair;
+} Strides;
+
 /* rows_values over interleaved values: each row's pair of weights times a pair of values, in sets of rows whose
  * accumulators fit in 16 registers. */
 static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_DIM / LANES], int rows, int chunks,
                                                                   const int *visible, const __m512i *pairs,
-                                                                  uint32_t (*high)[BLOCK / 2],
-                                                                  uint32_t (*low)[BLOCK / 2]) {
+                                                                  const uint32_t *high, const uint32_t *low,
+                                                                  Strides at) {
     enum { REGISTERS = 16 };
     int set = chunks >= REGISTERS ? 1 : REGISTERS / chunks;
     for (int r0 = 0; r0 < rows; r0 += set) {
@@ -88,8 +94,9 @@ static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_
         for (int p = 0; p < (last + 1) / 2; p++)
             for (int r = 0; r < set; r++)
                 if (r < n) {
-                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)high[r0 + r][p]);
-                    __m512bh rest = (__m512bh)_mm512_set1_epi32((int)low[r0 + r][p]);
+                    int64_t i = (int64_t)(r0 + r) * at.row + p * at.pair;
+                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)high[i]);
+                    __m512bh rest = (__m512bh)_mm512_set1_epi32((int)low[i]);
                     for (int c = 0; c < chunks; c++) {
                         __m512bh v = (__m512bh)pairs[p * chunks + c];
                         sum[r * chunks + c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(sum[r * chunks + c], w, v), rest, v);
@@ -101,12 +108,98 @@ static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_
     }
 }
 
+/* A tile of one request's tokens (prefill) takes a block of keys transposed: lane i of scores[j][v] is row 16v + i's
+ * score against key j. Row by row, each score is a dot product's 16 lanes summed across the vector (sums16), and a
+ * key is loaded once a row; transposed, each row's query pairs lie across 16 rows' lanes (qt), each key's pair is
+ * broadcast, and the sums run down the pairs in each lane: no lane sums, a key's pairs read once for 16 rows. The
+ * softmax runs across the lanes too, its maxima and sums by vector. Sums in another order than the rows' own, so the
+ * results are the row path's up to float32 rounding; decode rows (one token a request) keep the row path, so a
+ * request's decode reads the same alone as in a group. */
+
+static inline __attribute__((always_inline)) void tile_scores(const uint32_t *qt, int halves, int rows,
+                                                              const uint16_t *const *keys, int count, float scale,
+                                                              __m512 (*scores)[MAX_ROWS / 16]) {
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (int v = 0; v < (rows + 15) / 16; v++)
+        for (int first = 0; first < count; first += 16) {
+            __m512 sum[16];
+            for (int j = 0; j < 16; j++) sum[j] = _mm512_setzero_ps();
+            for (int p = 0; p < halves * 16; p++) {
+                __m512bh q = (__m512bh)_mm512_loadu_si512(qt + p * QT_STRIDE + 16 * v);
+                for (int j = 0; j < 16; j++) {
+                    const uint32_t *key = (const uint32_t *)keys[first + j];
+                    sum[j] = _mm512_dpbf16_ps(sum[j], q, (__m512bh)_mm512_set1_epi32((int)key[p]));
+                }
+            }
+            for (int j = 0; j < 16; j++) scores[first + j][v] = _mm512_mul_ps(sum[j], scaled);
+        }
+}
+
+/* Weights w (float32) as bfloat16, widened again. */
+static inline __m512 rounded_back(__m256bh w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16));
+}
+
+/* Two keys' weights for 16 rows as pairs of bfloat16 (pair_weights' high and low parts, lane by lane). */
+static inline void tile_pair(__m512 even, __m512 odd, uint32_t *high, uint32_t *low) {
+    __m256bh high_even = _mm512_cvtneps_pbh(even), high_odd = _mm512_cvtneps_pbh(odd);
+    __m256bh low_even = _mm512_cvtneps_pbh(_mm512_sub_ps(even, rounded_back(high_even)));
+    __m256bh low_odd = _mm512_cvtneps_pbh(_mm512_sub_ps(odd, rounded_back(high_odd)));
+    __m512i h = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)high_even),
+                                _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)high_odd), 16));
+    __m512i l = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)low_even),
+                                _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)low_odd), 16));
+    _mm512_storeu_si512(high, h);
+    _mm512_storeu_si512(low, l);
+}
+
+/* softmax_rows across lanes: 16 rows' maxima, sums and weights at once (row r sees the block's first visible[r]
+ * keys; one that sees none keeps its state: its rescale is exp(0), exactly 1); then the weights as bfloat16 pairs,
+ * pair p of row r at p * QT_STRIDE + r. */
+static inline void tile_softmax(__m512 (*scores)[MAX_ROWS / 16], const int *visible, int rows, int count,
+                                vf (*acc)[MAX_DIM / LANES], int chunks, float *running_max, float *running_sum,
+                                uint32_t *high, uint32_t *low) {
+    const __m512 none = _mm512_set1_ps(-3.0e38f); /* exp gives 0 */
+    for (int v = 0; v < (rows + 15) / 16; v++) {
+        int lanes = rows - 16 * v < 16 ? rows - 16 * v : 16;
+        __mmask16 real = (__mmask16)((1u << lanes) - 1);
+        __m512i seen = _mm512_maskz_loadu_epi32(real, visible + 16 * v);
+        __m512 most = none;
+        for (int j = 0; j < count; j++) {
+            scores[j][v] = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(j)), none,
+                                                scores[j][v]);
+            most = _mm512_max_ps(most, scores[j][v]);
+        }
+        __m512 old_max = _mm512_mask_loadu_ps(none, real, running_max + 16 * v);
+        __m512 new_max = _mm512_max_ps(old_max, most);
+        __m512 rescale = (__m512)exp_nonpositive((vf)_mm512_sub_ps(old_max, new_max));
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < count; j++) {
+            scores[j][v] = (__m512)exp_nonpositive((vf)_mm512_sub_ps(scores[j][v], new_max));
+            sum = _mm512_add_ps(sum, scores[j][v]);
+        }
+        __m512 old_sum = _mm512_maskz_loadu_ps(real, running_sum + 16 * v);
+        _mm512_mask_storeu_ps(running_sum + 16 * v, real, _mm512_add_ps(_mm512_mul_ps(old_sum, rescale), sum));
+        _mm512_mask_storeu_ps(running_max + 16 * v, real, new_max);
+        float factor[16];
+        _mm512_storeu_ps(factor, rescale);
+        for (int r = 0; r < lanes; r++)
+            for (int c = 0; c < chunks; c++) acc[16 * v + r][c] *= factor[r];
+        for (int p = 0; p < (count + 1) / 2; p++) {
+            __m512 odd = 2 * p + 1 < count ? scores[2 * p + 1][v] : _mm512_setzero_ps();
+            tile_pair(scores[2 * p][v], odd, high + p * QT_STRIDE + 16 * v, low + p * QT_STRIDE + 16 * v);
+        }
+    }
+}
+
 /* attend_block_sized for a bfloat16 pool: the same rows, keys and softmax; query[r] holds row r's bfloat16 query
- * (unscaled) in its first halves vectors. */
+ * (unscaled) in its first halves vectors, and where qt is given (a tile's rows) the same pairs transposed, pair p of
+ * row r at qt[p * QT_STRIDE + r]. */
 static inline __attribute__((always_inline)) void attend_block_dot_sized(
     vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
     const void *k_pool, const void *v_pool, const int64_t *slots, int count, Ahead ahead, int64_t first_pos,
-    const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, float scale) {
+    const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, float scale,
+    const uint32_t *qt) {
     int halves = chunks / 2, dim = chunks * LANES;
     const uint16_t *keys[BLOCK + 1], *values[BLOCK + 1]; /* past count: a row of zeros */
     for (int j = 0; j <= BLOCK; j++) {
@@ -116,16 +209,23 @@ static inline __attribute__((always_inline)) void attend_block_dot_sized(
     }
     __m512i pairs[BLOCK / 2 * chunks];
     pair_values(values, count, halves, pairs, ahead, k_pool, v_pool, pool_slots, kv_heads, h);
-    float weights[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
-    uint32_t high[MAX_ROWS][BLOCK / 2] __attribute__((aligned(64))), low[MAX_ROWS][BLOCK / 2]
+    uint32_t high[BLOCK / 2 * QT_STRIDE] __attribute__((aligned(64))), low[BLOCK / 2 * QT_STRIDE]
         __attribute__((aligned(64)));
     int visible[MAX_ROWS];
     rows_visible(visible, rows, group, count, first_pos, last_pos);
+    if (qt) {
+        __m512 scores[BLOCK][MAX_ROWS / 16];
+        tile_scores(qt, halves, rows, keys, count, scale, scores);
+        tile_softmax(scores, visible, rows, count, acc, chunks, running_max, running_sum, high, low);
+        rows_values_dot(acc, rows, chunks, visible, pairs, high, low, (Strides){1, QT_STRIDE});
+        return;
+    }
+    float weights[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
     for (int r = 0; r < rows; r++)
         if (visible[r]) row_scores_dot((const __m512i *)query[r], halves, visible[r], keys, scale, weights[r]);
     softmax_rows(weights, visible, rows, acc, chunks, running_max, running_sum);
-    for (int r = 0; r < rows; r++) pair_weights(weights[r], high[r], low[r]);
-    rows_values_dot(acc, rows, chunks, visible, pairs, high, low);
+    for (int r = 0; r < rows; r++) pair_weights(weights[r], high + r * BLOCK / 2, low + r * BLOCK / 2);
+    rows_values_dot(acc, rows, chunks, visible, pairs, high, low, (Strides){BLOCK / 2, 1});
 }
 
 /* An accumulator row in the head dimension's order again: each 32-wide part's two vectors from unpack order. */

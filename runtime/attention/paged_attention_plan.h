@@ -25,6 +25,10 @@ typedef struct {
     void *out;
 } Batch;
 
+/* Whether request b's rows take paged_attention_bf16.h's tile path: several new tokens, bfloat16 products. A
+ * request's rows take one path wherever they are planned, so a request gets the same alone as beside others. */
+static int tiled(const Batch *x, int b) { return x->dot && x->q_counts[b] > 1; }
+
 /* How many leading slots requests a and b share, up to `most` (cached slots only: no new token's). */
 static int64_t common_slots(const Batch *x, int a, int b, int64_t most) {
     const int64_t *sa = x->slots + (int64_t)a * x->table_len, *sb = x->slots + (int64_t)b * x->table_len;
@@ -68,7 +72,7 @@ static int plan_units(const Batch *x, int batch, const int *order, Item *units) 
         for (; j < batch && rows <= MAX_ROWS; j++) {
             int64_t common = common_slots(x, order[j - 1], order[j], shared) / BLOCK * BLOCK;
             rows += x->q_counts[order[j]] * x->group;
-            if (rows > MAX_ROWS || common < BLOCK) break;
+            if (rows > MAX_ROWS || common < BLOCK || tiled(x, order[j]) != tiled(x, order[i])) break;
             shared = common;
         }
         if (j - i >= 2) {

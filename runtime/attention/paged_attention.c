@@ -20,9 +20,11 @@
  * simply continues). At batch 32 with 512 shared tokens, each shared key row is otherwise read 32 times a layer.
  *
  * float32 or bfloat16 queries, pool and output (one type for all three). bfloat16 is computed as float32: on a CPU
- * with AVX512-BF16 by bfloat16 products summed in float32 (paged_attention_bf16.h, where the rows of a request with
- * several new tokens are scored 16 at a time across a vector's lanes), elsewhere by widening each row to float32 as
- * it is read. Either way the output is rounded to the nearest bfloat16 once, at the end.
+ * with AVX512-BF16 by bfloat16 products summed in float32 (paged_attention_bf16.h), elsewhere by widening each row
+ * to float32 as it is read. Either way the output is rounded to the nearest bfloat16 once, at the end.
+ *
+ * The rows of a request with several new tokens (a prefill's) are scored 16 at a time across a vector's lanes
+ * (tile_scores), decode rows one by one: a request's rows take one path wherever they are planned.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -168,12 +170,18 @@ static inline __attribute__((always_inline)) void row_scores(const vf *query, in
     }
 }
 
+/* Where row r's weight for key j (or pair of keys j) lies in a block's weights: r * row + j * key (row by row for
+ * the rows' own scores, key by key for a tile's). */
+typedef struct {
+    int row, key;
+} Strides;
+
 /* Each row's acc += the weighted sum of the block's values (row r's weights[r]: zero past the keys it sees), the
  * rows in sets whose accumulators fit in 16 vector registers, so that a value row is read once a set, and the set's
  * rows x chunks independent sums keep the multiply-adds from waiting on each other. */
 static inline __attribute__((always_inline)) void rows_values(vf (*acc)[MAX_DIM / LANES], int rows, int chunks,
                                                               const int *visible, const vf *values,
-                                                              float (*weights)[BLOCK]) {
+                                                              const float *weights, Strides at) {
     enum { REGISTERS = 16 };
     int set = chunks >= REGISTERS ? 1 : REGISTERS / chunks;
     for (int r0 = 0; r0 < rows; r0 += set) {
@@ -186,7 +194,7 @@ static inline __attribute__((always_inline)) void rows_values(vf (*acc)[MAX_DIM 
         for (int j = 0; j < last; j++)
             for (int r = 0; r < set; r++)
                 if (r < n) {
-                    float w = weights[r0 + r][j];
+                    float w = weights[(int64_t)(r0 + r) * at.row + j * at.key];
                     for (int c = 0; c < chunks; c++) sum[r * chunks + c] += w * values[j * chunks + c];
                 }
         for (int r = 0; r < set; r++)
@@ -221,6 +229,55 @@ static inline void softmax_rows(float (*weights)[BLOCK], const int *visible, int
             for (int c = 0; c < chunks; c++) acc[r][c] *= rescale;
         }
         for (int j = vectors * LANES; j < BLOCK; j++) w[j] = 0.0f;
+    }
+}
+
+/* A tile's rows (those of requests with several new tokens, tiled()) scored 16 at a time: lane i of scores[j][v] is
+ * row 16v + i's score against key j, from the rows' scaled queries transposed (dimension d of row r at
+ * qt[d * QT_STRIDE + r]) and each key's number broadcast. Row by row, each score is a dot product whose lanes are
+ * then summed across the vector (sums16); here the sums run down the dimensions in each lane. */
+static inline __attribute__((always_inline)) void tile_scores(const uint32_t *qt, int chunks, int rows, const vf *keys,
+                                                              int count, vf (*scores)[MAX_ROWS / 16]) {
+    for (int v = 0; v < (rows + 15) / 16; v++)
+        for (int first = 0; first < count; first += 16) {
+            vf sum[16] = {};
+            for (int d = 0; d < chunks * LANES; d++) {
+                vf q = load_f32((const float *)(qt + d * QT_STRIDE + 16 * v)); /* the floats' bits */
+                for (int j = 0; j < 16; j++) sum[j] += q * ((const float *)(keys + (first + j) * chunks))[d];
+            }
+            for (int j = 0; j < 16; j++) scores[first + j][v] = sum[j];
+        }
+}
+
+/* softmax_rows across lanes, 16 rows at once: their maxima and sums by vector, the weights stored key by key (row
+ * r's weight for key j at weights[j * QT_STRIDE + r]). A row that sees none of the block's keys keeps its state (its
+ * rescale is exp(0), exactly 1). */
+static inline void tile_softmax(vf (*scores)[MAX_ROWS / 16], const int *visible, int rows, int count,
+                                vf (*acc)[MAX_DIM / LANES], int chunks, float *running_max, float *running_sum,
+                                float *weights) {
+    const vf none = (vf){} - 3.0e38f;
+    for (int v = 0; v < (rows + 15) / 16; v++) {
+        int lanes = rows - 16 * v < 16 ? rows - 16 * v : 16;
+        vi seen = {};
+        vf old_max = none, old_sum = {}, most = none, sum = {};
+        for (int r = 0; r < lanes; r++) {
+            seen[r] = visible[16 * v + r];
+            old_max[r] = running_max[16 * v + r];
+            old_sum[r] = running_sum[16 * v + r];
+        }
+        for (int j = 0; j < count; j++) most = vmax(most, pick(seen > j, scores[j][v], none));
+        vf new_max = vmax(old_max, most), rescale = exp_nonpositive(old_max - new_max);
+        for (int j = 0; j < count; j++) { /* a key the row does not see weighs 0, whatever its maximum */
+            vf e = pick(seen > j, exp_nonpositive(scores[j][v] - new_max), (vf){});
+            memcpy(weights + j * QT_STRIDE + 16 * v, &e, sizeof e);
+            sum += e;
+        }
+        vf total = old_sum * rescale + sum;
+        for (int r = 0; r < lanes; r++) {
+            running_sum[16 * v + r] = total[r];
+            running_max[16 * v + r] = new_max[r];
+            for (int c = 0; c < chunks; c++) acc[16 * v + r][c] *= rescale[r];
+        }
     }
 }
 
@@ -261,9 +318,10 @@ static inline void prefetch_ahead(Ahead ahead, int j, const void *k_pool, const 
 static inline __attribute__((always_inline)) void attend_block_sized(
     vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
     const void *k_pool, const void *v_pool, const int64_t *slots, int count, Ahead ahead, int64_t first_pos,
-    const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, int bf16) {
+    const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, int bf16,
+    const uint32_t *qt) {
     vf keys[BLOCK * chunks], values[BLOCK * chunks];
-    float weights[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
+    float weights[BLOCK * QT_STRIDE] __attribute__((aligned(64)));
     int visible[MAX_ROWS];
     for (int j = 0; j < count; j++) {
         int64_t slot = checked(slots[j], pool_slots) * kv_heads + h;
@@ -272,14 +330,24 @@ static inline __attribute__((always_inline)) void attend_block_sized(
     }
     for (int j = count * chunks; j < ((count + 15) & ~15) * chunks; j++) keys[j] = (vf){};
     rows_visible(visible, rows, group, count, first_pos, last_pos);
-    int row_bytes = chunks * LANES * (bf16 ? 2 : 4), per_row = (ahead.count + rows - 1) / rows;
+    int row_bytes = chunks * LANES * (bf16 ? 2 : 4);
+    if (qt) {
+        for (int j = 0; j < ahead.count; j++) prefetch_ahead(ahead, j, k_pool, v_pool, pool_slots, kv_heads, h, row_bytes);
+        vf scores[BLOCK][MAX_ROWS / 16];
+        tile_scores(qt, chunks, rows, keys, count, scores);
+        tile_softmax(scores, visible, rows, count, acc, chunks, running_max, running_sum, weights);
+        rows_values(acc, rows, chunks, visible, values, weights, (Strides){1, QT_STRIDE});
+        return;
+    }
+    float (*by_row)[BLOCK] = (float (*)[BLOCK])weights;
+    int per_row = (ahead.count + rows - 1) / rows;
     for (int r = 0; r < rows; r++) {
         for (int j = r * per_row; j < (r + 1) * per_row; j++)
             prefetch_ahead(ahead, j, k_pool, v_pool, pool_slots, kv_heads, h, row_bytes);
-        if (visible[r]) row_scores(query[r], chunks, visible[r], keys, weights[r]);
+        if (visible[r]) row_scores(query[r], chunks, visible[r], keys, by_row[r]);
     }
-    softmax_rows(weights, visible, rows, acc, chunks, running_max, running_sum);
-    rows_values(acc, rows, chunks, visible, values, weights);
+    softmax_rows(by_row, visible, rows, acc, chunks, running_max, running_sum);
+    rows_values(acc, rows, chunks, visible, values, weights, (Strides){BLOCK, 1});
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -311,12 +379,12 @@ static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES
         return;                                                                                               \
     }
 #else
-#define DOT_SIZED(n) (void)dot, (void)scale, (void)qt;
+#define DOT_SIZED(n) (void)dot, (void)scale;
 #endif
 #define SIZED(n)                                                                                              \
     DOT_SIZED(n)                                                                                              \
     attend_block_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, ahead, first_pos,    \
-                       last_pos, rows, pool_slots, h, kv_heads, group, n, bf16)
+                       last_pos, rows, pool_slots, h, kv_heads, group, n, bf16, qt)
     switch (chunks) { /* head_dim 16, 32, 64, 128, 256; others with a variable bound */
     case 1: SIZED(1); break;
     case 2: SIZED(2); break;
@@ -349,23 +417,19 @@ static void attend_keys(const Batch *x, Item it, vf (*query)[MAX_DIM / LANES], v
     }
 }
 
-/* For the rows of requests with several new tokens (tiled()): their query pairs transposed (pair p of row r at
- * p * QT_STRIDE + r) in qt; else NULL (decode rows, one token a request, keep the row path). */
-static const uint32_t *tile_pairs(const Batch *x, Item it, const int *order, vf (*query)[MAX_DIM / LANES],
-                                  int rows, uint32_t *qt) {
-#ifdef DOT_BF16
+/* For the rows of requests with several new tokens (tiled()): their queries transposed into qt, 4-byte element e of
+ * row r at e * QT_STRIDE + r (a pair of bfloat16 numbers on the bfloat16 products' path, else a float); else NULL
+ * (decode rows, one token a request, keep the row path). */
+static const uint32_t *tile_queries(const Batch *x, Item it, const int *order, vf (*query)[MAX_DIM / LANES],
+                                    int rows, uint32_t *qt) {
     if (!tiled(x, order[it.member])) return NULL;
-    int pairs = x->chunks * LANES / 2;
-    memset(qt, 0, sizeof(uint32_t) * pairs * QT_STRIDE);
+    int elements = x->chunks * LANES / (x->dot ? 2 : 1);
+    memset(qt, 0, sizeof(uint32_t) * elements * QT_STRIDE);
     for (int r = 0; r < it.n * rows; r++) {
         const uint32_t *row = (const uint32_t *)query[r];
-        for (int p = 0; p < pairs; p++) qt[p * QT_STRIDE + r] = row[p];
+        for (int e = 0; e < elements; e++) qt[e * QT_STRIDE + r] = row[e];
     }
     return qt;
-#else
-    (void)x, (void)it, (void)order, (void)query, (void)rows, (void)qt;
-    return NULL;
-#endif
 }
 
 /* The item's queries against their requests' slots up to each token's own position: the shared keys for all
@@ -400,8 +464,8 @@ static void attend_item(const Batch *x, Item it, const int *order) {
             running_max[k * rows + r] = -3.0e38f;
             running_sum[k * rows + r] = 0.0f;
         }
-    uint32_t transposed[MAX_DIM / 2 * QT_STRIDE] __attribute__((aligned(64)));
-    const uint32_t *qt = tile_pairs(x, it, order, query, rows, transposed);
+    uint32_t transposed[MAX_DIM * QT_STRIDE] __attribute__((aligned(64)));
+    const uint32_t *qt = tile_queries(x, it, order, query, rows, transposed);
     const int64_t *first_slots = x->slots + (int64_t)order[it.member] * x->table_len;
     attend_keys(x, it, query, acc, running_max, running_sum, first_slots, 0, it.shared, last_pos, 0, rows, rows,
                 qt);

@@ -70,12 +70,6 @@ static inline void pair_weights(const float *w, uint32_t *high, uint32_t *low) {
     }
 }
 
-/* Where row r's weight pair p lies in a block's weights: r * row + p * pair (row by row for the rows' own scores,
- * pair by pair for a tile's). */
-typedef struct {
-    int row, pair;
-} Strides;
-
 /* rows_values over interleaved values: each row's pair of weights times a pair of values, in sets of rows whose
  * accumulators fit in 16 registers. */
 static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_DIM / LANES], int rows, int chunks,
@@ -94,7 +88,7 @@ static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_
         for (int p = 0; p < (last + 1) / 2; p++)
             for (int r = 0; r < set; r++)
                 if (r < n) {
-                    int64_t i = (int64_t)(r0 + r) * at.row + p * at.pair;
+                    int64_t i = (int64_t)(r0 + r) * at.row + p * at.key;
                     __m512bh w = (__m512bh)_mm512_set1_epi32((int)high[i]);
                     __m512bh rest = (__m512bh)_mm512_set1_epi32((int)low[i]);
                     for (int c = 0; c < chunks; c++) {
@@ -116,7 +110,7 @@ static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_
  * results are the row path's up to float32 rounding; decode rows (one token a request) keep the row path, so a
  * request's decode reads the same alone as in a group. */
 
-static inline __attribute__((always_inline)) void tile_scores(const uint32_t *qt, int halves, int rows,
+static inline __attribute__((always_inline)) void tile_scores_dot(const uint32_t *qt, int halves, int rows,
                                                               const uint16_t *const *keys, int count, float scale,
                                                               __m512 (*scores)[MAX_ROWS / 16]) {
     const __m512 scaled = _mm512_set1_ps(scale);
@@ -156,7 +150,7 @@ static inline void tile_pair(__m512 even, __m512 odd, uint32_t *high, uint32_t *
 /* softmax_rows across lanes: 16 rows' maxima, sums and weights at once (row r sees the block's first visible[r]
  * keys; one that sees none keeps its state: its rescale is exp(0), exactly 1); then the weights as bfloat16 pairs,
  * pair p of row r at p * QT_STRIDE + r. */
-static inline void tile_softmax(__m512 (*scores)[MAX_ROWS / 16], const int *visible, int rows, int count,
+static inline void tile_softmax_dot(__m512 (*scores)[MAX_ROWS / 16], const int *visible, int rows, int count,
                                 vf (*acc)[MAX_DIM / LANES], int chunks, float *running_max, float *running_sum,
                                 uint32_t *high, uint32_t *low) {
     const __m512 none = _mm512_set1_ps(-3.0e38f); /* exp gives 0 */
@@ -174,8 +168,9 @@ static inline void tile_softmax(__m512 (*scores)[MAX_ROWS / 16], const int *visi
         __m512 new_max = _mm512_max_ps(old_max, most);
         __m512 rescale = (__m512)exp_nonpositive((vf)_mm512_sub_ps(old_max, new_max));
         __m512 sum = _mm512_setzero_ps();
-        for (int j = 0; j < count; j++) {
-            scores[j][v] = (__m512)exp_nonpositive((vf)_mm512_sub_ps(scores[j][v], new_max));
+        for (int j = 0; j < count; j++) { /* a key the row does not see weighs 0, whatever its maximum */
+            __m512 e = (__m512)exp_nonpositive((vf)_mm512_sub_ps(scores[j][v], new_max));
+            scores[j][v] = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(j)), e);
             sum = _mm512_add_ps(sum, scores[j][v]);
         }
         __m512 old_sum = _mm512_maskz_loadu_ps(real, running_sum + 16 * v);
@@ -215,8 +210,8 @@ static inline __attribute__((always_inline)) void attend_block_dot_sized(
     rows_visible(visible, rows, group, count, first_pos, last_pos);
     if (qt) {
         __m512 scores[BLOCK][MAX_ROWS / 16];
-        tile_scores(qt, halves, rows, keys, count, scale, scores);
-        tile_softmax(scores, visible, rows, count, acc, chunks, running_max, running_sum, high, low);
+        tile_scores_dot(qt, halves, rows, keys, count, scale, scores);
+        tile_softmax_dot(scores, visible, rows, count, acc, chunks, running_max, running_sum, high, low);
         rows_values_dot(acc, rows, chunks, visible, pairs, high, low, (Strides){1, QT_STRIDE});
         return;
     }

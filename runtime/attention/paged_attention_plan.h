@@ -25,9 +25,10 @@ typedef struct {
     void *out;
 } Batch;
 
-/* Whether request b's rows take paged_attention_bf16.h's tile path: several new tokens, bfloat16 products. A
- * request's rows take one path wherever they are planned, so a request gets the same alone as beside others. */
-static int tiled(const Batch *x, int b) { return x->dot && x->q_counts[b] > 1; }
+/* Whether request b's rows are scored as a tile, 16 rows across a vector's lanes (several new tokens: a prefill's),
+ * not row by row. A request's rows take one path wherever they are planned, so a request gets the same alone as
+ * beside others. */
+static int tiled(const Batch *x, int b) { return x->q_counts[b] > 1; }
 
 /* How many leading slots requests a and b share, up to `most` (cached slots only: no new token's). */
 static int64_t common_slots(const Batch *x, int a, int b, int64_t most) {

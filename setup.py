@@ -30,6 +30,7 @@ class BuildPyWithoutSetupScript(build_py):
 PACKAGE_DATA = {"furcate.runtime.model": ["block_gemv.c", "fused_elementwise.c", "block_gemv_op.cpp",
                                           "packed_linear_op.cpp"],
                 "furcate.runtime.attention": ["paged_attention.c", "paged_attention_bf16.h", "paged_attention_plan.h",
+                                              "paged_attention_vec.h",
                                               "paged_attention_op.cpp"]}
 
 setup(package_dir={"furcate": "."}, packages=furcate_packages(), package_data=PACKAGE_DATA,

@@ -221,7 +221,8 @@ static inline __attribute__((always_inline)) void attend_block_sized(
     rows_visible(visible, rows, group, count, first_pos, last_pos);
     int row_bytes = chunks * LANES * (bf16 ? 2 : 4);
     if (qt) {
-        for (int j = 0; j < ahead.count; j++) prefetch_ahead(ahead, j, k_pool, v_pool, pool_slots, kv_heads, h, row_bytes);
+        for (int j = 0; j < ahead.count; j++)
+            prefetch_ahead(ahead, j, k_pool, v_pool, pool_slots, kv_heads, h, row_bytes);
         vf scores[BLOCK][MAX_ROWS / 16];
         tile_scores(qt, chunks, rows, keys, count, scores);
         tile_softmax(scores, visible, rows, count, acc, chunks, running_max, running_sum, weights);
@@ -289,8 +290,8 @@ static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES
 #include "paged_attention_plan.h"
 
 /* Keys [from, to) of one slot table for some of an item's rows: rows [r0, r0 + rows) of each of its n heads' sets
- * of `stride` rows; row r0 + r is of the token whose last position is last_pos[r / group]. qt: the rows' query
- * pairs transposed, for a tile's rows (paged_attention_bf16.h), else NULL. */
+ * of `stride` rows; row r0 + r is of the token whose last position is last_pos[r / group]. qt: the rows' queries
+ * transposed (tile_queries), for a tile's rows, else NULL. */
 static void attend_keys(const Batch *x, Item it, vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES],
                         float *running_max, float *running_sum, const int64_t *slots, int64_t from, int64_t to,
                         const int64_t *last_pos, int r0, int rows, int stride, const uint32_t *qt) {

@@ -111,8 +111,8 @@ static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_
  * request's decode reads the same alone as in a group. */
 
 static inline __attribute__((always_inline)) void tile_scores_dot(const uint32_t *qt, int halves, int rows,
-                                                              const uint16_t *const *keys, int count, float scale,
-                                                              __m512 (*scores)[MAX_ROWS / 16]) {
+                                                                  const uint16_t *const *keys, int count,
+                                                                  float scale, vf (*scores)[MAX_ROWS / 16]) {
     const __m512 scaled = _mm512_set1_ps(scale);
     for (int v = 0; v < (rows + 15) / 16; v++)
         for (int first = 0; first < count; first += 16) {
@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void tile_scores_dot(const uint32_t
                     sum[j] = _mm512_dpbf16_ps(sum[j], q, (__m512bh)_mm512_set1_epi32((int)key[p]));
                 }
             }
-            for (int j = 0; j < 16; j++) scores[first + j][v] = _mm512_mul_ps(sum[j], scaled);
+            for (int j = 0; j < 16; j++) scores[first + j][v] = (vf)_mm512_mul_ps(sum[j], scaled);
         }
 }
 
@@ -147,44 +147,16 @@ static inline void tile_pair(__m512 even, __m512 odd, uint32_t *high, uint32_t *
     _mm512_storeu_si512(low, l);
 }
 
-/* softmax_rows across lanes: 16 rows' maxima, sums and weights at once (row r sees the block's first visible[r]
- * keys; one that sees none keeps its state: its rescale is exp(0), exactly 1); then the weights as bfloat16 pairs,
- * pair p of row r at p * QT_STRIDE + r. */
-static inline void tile_softmax_dot(__m512 (*scores)[MAX_ROWS / 16], const int *visible, int rows, int count,
-                                vf (*acc)[MAX_DIM / LANES], int chunks, float *running_max, float *running_sum,
-                                uint32_t *high, uint32_t *low) {
-    const __m512 none = _mm512_set1_ps(-3.0e38f); /* exp gives 0 */
-    for (int v = 0; v < (rows + 15) / 16; v++) {
-        int lanes = rows - 16 * v < 16 ? rows - 16 * v : 16;
-        __mmask16 real = (__mmask16)((1u << lanes) - 1);
-        __m512i seen = _mm512_maskz_loadu_epi32(real, visible + 16 * v);
-        __m512 most = none;
-        for (int j = 0; j < count; j++) {
-            scores[j][v] = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(j)), none,
-                                                scores[j][v]);
-            most = _mm512_max_ps(most, scores[j][v]);
-        }
-        __m512 old_max = _mm512_mask_loadu_ps(none, real, running_max + 16 * v);
-        __m512 new_max = _mm512_max_ps(old_max, most);
-        __m512 rescale = (__m512)exp_nonpositive((vf)_mm512_sub_ps(old_max, new_max));
-        __m512 sum = _mm512_setzero_ps();
-        for (int j = 0; j < count; j++) { /* a key the row does not see weighs 0, whatever its maximum */
-            __m512 e = (__m512)exp_nonpositive((vf)_mm512_sub_ps(scores[j][v], new_max));
-            scores[j][v] = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(j)), e);
-            sum = _mm512_add_ps(sum, scores[j][v]);
-        }
-        __m512 old_sum = _mm512_maskz_loadu_ps(real, running_sum + 16 * v);
-        _mm512_mask_storeu_ps(running_sum + 16 * v, real, _mm512_add_ps(_mm512_mul_ps(old_sum, rescale), sum));
-        _mm512_mask_storeu_ps(running_max + 16 * v, real, new_max);
-        float factor[16];
-        _mm512_storeu_ps(factor, rescale);
-        for (int r = 0; r < lanes; r++)
-            for (int c = 0; c < chunks; c++) acc[16 * v + r][c] *= factor[r];
+/* A tile's softmax weights (tile_softmax's, key by key) as bfloat16 pairs, pair p of row r at p * QT_STRIDE + r. */
+static inline void tile_pairs(const float *weights, int rows, int count, uint32_t *high, uint32_t *low) {
+    for (int v = 0; v < (rows + 15) / 16; v++)
         for (int p = 0; p < (count + 1) / 2; p++) {
-            __m512 odd = 2 * p + 1 < count ? scores[2 * p + 1][v] : _mm512_setzero_ps();
-            tile_pair(scores[2 * p][v], odd, high + p * QT_STRIDE + 16 * v, low + p * QT_STRIDE + 16 * v);
+            int at = p * QT_STRIDE + 16 * v;
+            __m512 even = _mm512_loadu_ps(weights + 2 * p * QT_STRIDE + 16 * v);
+            __m512 odd = 2 * p + 1 < count ? _mm512_loadu_ps(weights + (2 * p + 1) * QT_STRIDE + 16 * v)
+                                           : _mm512_setzero_ps();
+            tile_pair(even, odd, high + at, low + at);
         }
-    }
 }
 
 /* attend_block_sized for a bfloat16 pool: the same rows, keys and softmax; query[r] holds row r's bfloat16 query
@@ -209,9 +181,11 @@ static inline __attribute__((always_inline)) void attend_block_dot_sized(
     int visible[MAX_ROWS];
     rows_visible(visible, rows, group, count, first_pos, last_pos);
     if (qt) {
-        __m512 scores[BLOCK][MAX_ROWS / 16];
+        vf scores[BLOCK][MAX_ROWS / 16];
+        float weights[BLOCK * QT_STRIDE] __attribute__((aligned(64)));
         tile_scores_dot(qt, halves, rows, keys, count, scale, scores);
-        tile_softmax_dot(scores, visible, rows, count, acc, chunks, running_max, running_sum, high, low);
+        tile_softmax(scores, visible, rows, count, acc, chunks, running_max, running_sum, weights);
+        tile_pairs(weights, rows, count, high, low);
         rows_values_dot(acc, rows, chunks, visible, pairs, high, low, (Strides){1, QT_STRIDE});
         return;
     }

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        from .runtime.model.default_model import prepare_default_model
+        from .runtime.model.weights.default_model import prepare_default_model
 
         print(prepare_default_model())
         return 0
@@ -89,7 +89,7 @@ def _checked(args: argparse.Namespace) -> tuple:
 
 
 def _generate(args: argparse.Namespace, engine_args, params: dict) -> int:
-    from .runtime.engine import Engine
+    from .runtime.engine.engine import Engine
 
     with Engine(**vars(engine_args)) as engine:
         prompt = args.prompt

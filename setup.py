@@ -26,12 +26,8 @@ class BuildPyWithoutSetupScript(build_py):
         return [module for module in modules if module[:2] != ("furcate", "setup")]
 
 
-# Non-Python files a package reads at run time: the block GEMV kernel's C source, built on the user's machine.
-PACKAGE_DATA = {"furcate.runtime.model": ["block_gemv.c", "fused_elementwise.c", "block_gemv_op.cpp",
-                                          "packed_linear_op.cpp"],
-                "furcate.runtime.attention": ["paged_attention.c", "paged_attention_bf16.h", "paged_attention_plan.h",
-                                              "paged_attention_vec.h",
-                                              "paged_attention_op.cpp"]}
+# Non-Python files a package reads at run time: the native kernels' sources, built on the user's machine.
+PACKAGE_DATA = {"furcate.runtime.kernels": ["csrc/*.c", "csrc/*.h", "csrc/*.cpp"]}
 
 setup(package_dir={"furcate": "."}, packages=furcate_packages(), package_data=PACKAGE_DATA,
       cmdclass={"build_py": BuildPyWithoutSetupScript})

@@ -142,7 +142,7 @@ def cpu_flags() -> list[str]:
 
 
 def build_model(scratch: pathlib.Path) -> str:
-    from furcate.runtime.model.default_model import prepare_default_model
+    from furcate.runtime.model.weights.default_model import prepare_default_model
     from tests.tiny_models import build_tiny_model  # run from the repository root, like every benchmark
 
     return str(build_tiny_model("llama", scratch / "tiny-llama", prepare_default_model()))

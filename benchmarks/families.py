@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3
 
 from benchmarks.peers_report import cpu_flags
 from furcate import Engine
-from furcate.runtime.model.default_model import prepare_default_model
+from furcate.runtime.model.weights.default_model import prepare_default_model
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the families' configs are the tests' (tiny_families.py)

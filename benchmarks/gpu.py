@@ -83,7 +83,7 @@ def decode_rate(engine, batch: int) -> float:
 
 
 def engine_for(model_dir: Path, graphs: bool, overlap: bool):
-    from furcate.runtime.engine import Engine
+    from furcate.runtime.engine.engine import Engine
 
     return Engine(str(model_dir), device="cuda", dtype="bfloat16", disable_cuda_graph=not graphs,
                   disable_overlap_schedule=not overlap, max_running_requests=256)
@@ -91,7 +91,7 @@ def engine_for(model_dir: Path, graphs: bool, overlap: bool):
 
 def bytes_per_decode_step(model_dir: Path, context: int) -> int:
     """Weights read once per step (bf16), plus one request's K and V over `context` tokens."""
-    from furcate.runtime.scheduler.model_runner import checkpoint_bytes
+    from furcate.runtime.executor.model_runner import checkpoint_bytes
 
     kv_per_token = 2 * HALF_B["num_hidden_layers"] * HALF_B["num_key_value_heads"] * (
         HALF_B["hidden_size"] // HALF_B["num_attention_heads"]) * 2

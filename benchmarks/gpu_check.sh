@@ -21,7 +21,7 @@ if [ "${1:-}" = "--prepare" ]; then
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
   mkdir -p .gpu/tokenizer .whl
-  model=$(python -c "from furcate.runtime.model.default_model import prepare_default_model as p; print(p())")
+  model=$(python -c "from furcate.runtime.model.weights.default_model import prepare_default_model as p; print(p())")
   for f in tokenizer.json tokenizer_config.json special_tokens_map.json chat_template.jinja; do
     [ -f "$model/$f" ] && cp "$model/$f" .gpu/tokenizer/
   done

@@ -36,7 +36,7 @@ def build_llava(directory: pathlib.Path) -> pathlib.Path:
         LlavaForConditionalGeneration,
     )
 
-    from furcate.runtime.model.default_model import prepare_default_model
+    from furcate.runtime.model.weights.default_model import prepare_default_model
 
     source = prepare_default_model()
     text_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)

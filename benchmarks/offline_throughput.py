@@ -132,7 +132,7 @@ def run_furcate(workload: Workload, model_dir: str, threads: int,
                 engine_args: dict) -> tuple[Result, dict, list[list[int]]]:
     """Returns the result, scheduler facts (forward share of wall time, prompt tokens served from the prefix
     cache) and every request's tokens."""
-    from furcate.runtime.engine import Engine
+    from furcate.runtime.engine.engine import Engine
 
     with Engine(model_dir, torch_num_threads=threads, **engine_args) as engine:
         engine.generate(input_ids=workload.prompts[:2], sampling_params={"max_new_tokens": 4, "temperature": 0})
@@ -219,7 +219,7 @@ def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from furcate.runtime.model.default_model import prepare_default_model
+    from furcate.runtime.model.weights.default_model import prepare_default_model
 
     torch.set_num_threads(args.threads)
     model_dir = str(prepare_default_model())

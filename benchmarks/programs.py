@@ -29,7 +29,7 @@ import time
 import warnings
 
 import furcate as sgl
-from furcate.runtime.model.default_model import prepare_default_model
+from furcate.runtime.model.weights.default_model import prepare_default_model
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 LABELS = [" sports", " politics", " technology", " food"]

@@ -195,7 +195,7 @@ def dp_ratios(aware: dict, robin: dict) -> dict:
 def run_dp(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
-    from furcate.runtime.model.default_model import prepare_default_model
+    from furcate.runtime.model.weights.default_model import prepare_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
     workload = dp_workload(tokenizer, args)

@@ -134,7 +134,7 @@ def run_deployment(deployment: PdDeployment, workload: Workload, mode: Mode, see
 def run_pd(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
-    from furcate.runtime.model.default_model import prepare_default_model
+    from furcate.runtime.model.weights.default_model import prepare_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
     workload = random_workload(tokenizer, args.pd_requests, args.pd_input_len, 0.5, args.pd_output_len, args.seed)

@@ -20,7 +20,7 @@ import time
 from transformers import AutoTokenizer
 
 from furcate import Engine
-from furcate.runtime.model.default_model import prepare_default_model
+from furcate.runtime.model.weights.default_model import prepare_default_model
 
 WORDS = ("river stone garden signal market ladder window copper silent orange engine winter harbor pencil cloud "
          "forest matter bridge candle number planet velvet thunder basket mirror shadow spring anchor meadow "

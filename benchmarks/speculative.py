@@ -207,7 +207,7 @@ def start_engines(args: argparse.Namespace) -> dict:
 def standalone_drafts(args: argparse.Namespace) -> dict[str, dict]:
     """Draft model arguments by row name, of the drafts asked for: the default model on its quantized kernels
     (int4), and truncated to its first layers (truncated; built once into furcate's cache folder)."""
-    from furcate.runtime.model.default_model import prepare_default_model
+    from furcate.runtime.model.weights.default_model import prepare_default_model
 
     drafts = {}
     if "int4" in args.drafts:
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"CPU flags: {' '.join(flags) or 'none'}; load average before: {load_before}")
     from transformers import AutoTokenizer
 
-    from furcate.runtime.model.default_model import prepare_default_model
+    from furcate.runtime.model.weights.default_model import prepare_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
     engines = start_engines(args)

@@ -38,7 +38,7 @@ from benchmarks.structured_grammars import (
 from furcate import Engine
 from furcate.grammars.base import GrammarSpec
 from furcate.grammars.cache import make_backend
-from furcate.runtime.model.default_model import prepare_default_model
+from furcate.runtime.model.weights.default_model import prepare_default_model
 
 BACKENDS = ("auto", "llguidance", "xgrammar", "outlines")
 CITIES = ("Paris", "Lagos", "Lima", "Oslo", "Pune", "Quito", "Rome", "Seoul", "Tunis", "Accra", "Baku", "Cairo",

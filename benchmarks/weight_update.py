@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     from furcate import Engine
-    from furcate.runtime.model.default_model import prepare_default_model
+    from furcate.runtime.model.weights.default_model import prepare_default_model
 
     flags, load_before = cpu_flags(), os.getloadavg()
     model_dir = str(prepare_default_model())

@@ -28,7 +28,7 @@ from transformers import (
 )
 
 import furcate as sgl
-from furcate.runtime.model.default_model import prepare_default_model
+from furcate.runtime.model.weights.default_model import prepare_default_model
 
 MODEL = None  # a LLaVA checkpoint directory; None builds the tiny random one
 

@@ -32,7 +32,7 @@ from ..lang.ir import (
     Video,
     defined_names,
 )
-from ..runtime.reasoning import reasoning_format, split
+from ..runtime.tools.reasoning import reasoning_format, split
 from .backends.base import Backend
 from .errors import ProgramError
 from .events import EventLog, TextEvent

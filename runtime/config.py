@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from . import registry
 from .attention.select import resolve_attention_backend
-from .reasoning import FORMATS as REASONING_FORMATS
+from .tools.reasoning import FORMATS as REASONING_FORMATS
 from .tools.formats import PARSER_NAMES
 
 MAX_DP_SIZE = 64
@@ -30,7 +30,7 @@ registry.register("disaggregation_mode", "null")  # serving whole requests: no s
 registry.register("disaggregation_mode", "prefill", "furcate.runtime.disaggregation.prefill:PrefillSender")
 registry.register("disaggregation_mode", "decode", "furcate.runtime.disaggregation.decode:DecodeReceiver")
 registry.register("speculative_algorithm", "NGRAM", "furcate.runtime.speculative.ngram:NgramDrafter")
-registry.register("speculative_algorithm", "STANDALONE", "furcate.runtime.scheduler.draft_runner:StandaloneDrafter")
+registry.register("speculative_algorithm", "STANDALONE", "furcate.runtime.executor.draft_runner:StandaloneDrafter")
 registry.register("disaggregation_transfer_backend", "mooncake",
                   "furcate.runtime.disaggregation.transfer:MooncakeAgent")
 registry.register("disaggregation_transfer_backend", "nixl", "furcate.runtime.disaggregation.nixl_agent:NixlAgent")

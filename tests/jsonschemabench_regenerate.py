@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 import jsonschemabench_gaps as recorded
 from benchmarks.jsonschemabench import BENCH, load_cases
-from furcate.runtime.model.default_model import prepare_default_model
+from furcate.runtime.model.weights.default_model import prepare_default_model
 from test_grammar_backends_jsonschemabench import sweep
 
 TABLES = {"llguidance": "LLGUIDANCE", "xgrammar": "XGRAMMAR", "outlines": "OUTLINES", "auto": "AUTO"}

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import ARCHS, NO_GRAMMAR, HFReference, assert_pool_free, engine_starting
 from furcate import Engine
-from furcate.runtime.model import loader
+from furcate.runtime.model.weights import loader
 
 # Largest |logprob difference| against HF bfloat16, over the chosen tokens of a prompt. bfloat16 keeps 8 bits
 # of mantissa, so a logit of magnitude 10 is only known to about 0.04; on an avx512_bf16 machine the measured

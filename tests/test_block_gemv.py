@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from furcate.runtime import native_build
-from furcate.runtime.model import block_gemv
-from furcate.runtime.model.quantized import (
+from furcate.runtime.kernels import native_build
+from furcate.runtime.kernels import block_gemv
+from furcate.runtime.model.weights.quantized import (
     BlockGemvLinear,
     BlockWeights,
     Int4Linear,

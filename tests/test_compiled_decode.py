@@ -9,7 +9,7 @@ import pytest
 from conftest import EXACT, NO_GRAMMAR, assert_pool_free, engine_starting, engines_side_by_side
 from furcate import Engine
 from furcate.runtime.config import EngineArgs
-from furcate.runtime.model.default_model import find_default_gguf, prepare_user_gguf
+from furcate.runtime.model.weights.default_model import find_default_gguf, prepare_user_gguf
 from test_greedy_matches_hf import generate_staggered, make_prompts
 from tiny_gguf import build_tiny_gguf
 
@@ -121,8 +121,8 @@ def test_the_compiled_step_serves_any_pool_size(tiny_model_dirs):
     import torch
 
     from furcate.runtime.cache.memory_pool import TokenToKVPool
-    from furcate.runtime.compiled_decode import compile_graph
-    from furcate.runtime.model.loader import load_model
+    from furcate.runtime.executor.compiled_decode import compile_graph
+    from furcate.runtime.model.weights.loader import load_model
 
     torch.manual_seed(0)
     model = load_model(str(tiny_model_dirs["llama"]), torch.float32, "cpu")
@@ -150,8 +150,8 @@ def test_a_size_class_of_one_batch_size_compiles_static(tmp_path, private_cache)
     import torch
 
     from furcate.runtime.cache.memory_pool import TokenToKVPool
-    from furcate.runtime.compiled_decode import compile_graphs, decode_step, size_classes
-    from furcate.runtime.serving_model import load_serving_model
+    from furcate.runtime.executor.compiled_decode import compile_graphs, decode_step, size_classes
+    from furcate.runtime.executor.serving_model import load_serving_model
 
     gguf = str(build_tiny_gguf(tmp_path / "tiny-llama.gguf", find_default_gguf()))
     model_dir = prepare_user_gguf(gguf)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from furcate.runtime.model.default_model import _hf_tensors, find_default_gguf
-from furcate.runtime.model.gguf_arch import open_gguf
+from furcate.runtime.model.weights.default_model import _hf_tensors, find_default_gguf
+from furcate.runtime.model.weights.gguf_arch import open_gguf
 from tiny_gguf import build_tiny_gguf
 
 

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from conftest import EXACT, TINY_POOL_TOKENS, assert_pool_free
-from furcate.runtime.engine import Engine
+from furcate.runtime.engine.engine import Engine
 
 SITECUSTOMIZE = textwrap.dedent("""
     import threading

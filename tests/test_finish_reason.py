@@ -8,9 +8,9 @@ import pickle
 
 import pytest
 
-from furcate.runtime.detokenizer import trim_stop
-from furcate.runtime.finish_reason import FinishReason
-from furcate.runtime.messages import ReqOutput
+from furcate.runtime.engine.detokenizer import trim_stop
+from furcate.runtime.wire.finish_reason import FinishReason
+from furcate.runtime.wire.messages import ReqOutput
 
 SHAPES = [
     (FinishReason.stop_token(2), {"type": "stop", "matched": 2}),

@@ -29,7 +29,7 @@ from furcate.runtime.attention.cascade import MIN_SHARED_TOKENS
 from furcate.runtime.attention.flashinfer_backend import CascadeRun, FlashInferAttention, check_supported, window_left
 from furcate.runtime.attention.torch_native import TorchNativeAttention
 from furcate.runtime.cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from furcate.runtime.cuda_graph import batch_size_ladder, pad_decode_batch, padded_batch_size
+from furcate.runtime.executor.cuda_graph import batch_size_ladder, pad_decode_batch, padded_batch_size
 
 HEADS, HEAD_DIM, CONTEXT = 8, 64, 256
 SCALING = HEAD_DIM**-0.5
@@ -281,7 +281,7 @@ def test_make_attention_backend_builds_flashinfer_with_the_models_attention(relo
 def test_the_runner_describes_each_layers_window():
     from furcate.runtime.model.decoder import DecoderForCausalLM
     from furcate.runtime.model.families import FAMILIES
-    from furcate.runtime.scheduler.model_runner import model_attention
+    from furcate.runtime.executor.model_runner import model_attention
     from tiny_models import CONFIGS
 
     for arch, family, windows in [("llama", "LlamaForCausalLM", {None}), ("mistral", "MistralForCausalLM", {24})]:

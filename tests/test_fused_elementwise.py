@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from furcate.runtime.model import fused_elementwise
+from furcate.runtime.kernels import fused_elementwise
 from furcate.runtime.model.layers import GatedMLP, RMSNorm
 from furcate.runtime.model.rotary import apply_rotary
 

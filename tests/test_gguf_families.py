@@ -19,11 +19,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from conftest import EXACT, NO_GRAMMAR, assert_pool_free, engine_starting, engines_side_by_side
-from furcate.runtime.model.default_model import find_default_gguf, prepare_gguf_model, prepare_user_gguf
-from furcate.runtime.model.gguf_arch import open_gguf
-from furcate.runtime.model.gguf_reader import read_gguf
-from furcate.runtime.model.quantize import gguf_block_weights
-from furcate.runtime.model.quantized import Int4Linear, read_blocks
+from furcate.runtime.model.weights.default_model import find_default_gguf, prepare_gguf_model, prepare_user_gguf
+from furcate.runtime.model.weights.gguf_arch import open_gguf
+from furcate.runtime.model.weights.gguf_reader import read_gguf
+from furcate.runtime.model.weights.quantize import gguf_block_weights
+from furcate.runtime.model.weights.quantized import Int4Linear, read_blocks
 from tiny_gguf_families import CONFIGS, build_hf_model, quantize_q4_k, quantize_q6_k, write_gguf
 
 ARCHS = sorted(CONFIGS)

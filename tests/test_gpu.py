@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import HFReference
-from furcate.runtime.engine import Engine
+from furcate.runtime.engine.engine import Engine
 from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh)")

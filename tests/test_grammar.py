@@ -15,7 +15,7 @@ from conftest import EXACT, assert_pool_free, engines_side_by_side
 from furcate import Engine
 from furcate.grammars.base import GrammarSpec, allocate_bitmask
 from furcate.grammars.cache import make_backend
-from furcate.runtime.scheduler.grammar_queue import percentile
+from furcate.runtime.scheduler.plugins.grammar_queue import percentile
 
 PERSON = {
     "type": "object",

@@ -13,12 +13,12 @@ import torch
 
 from conftest import EXACT, NO_GRAMMAR
 from furcate import Engine
-from furcate.runtime.attention import paged_attention
+from furcate.runtime.kernels import paged_attention
 from furcate.runtime.cache.memory_pool import TokenToKVPool
-from furcate.runtime.compiled_decode import compile_graphs, decode_step, uses_paged_kernel
-from furcate.runtime.graph_builder import LOCK, BuildSpec, build, build_lock
-from furcate.runtime.graph_cache import complete, graph_dir, graph_file, graph_key, load_graphs, save_graphs
-from furcate.runtime.model.loader import load_model
+from furcate.runtime.executor.compiled_decode import compile_graphs, decode_step, uses_paged_kernel
+from furcate.runtime.executor.graph_builder import LOCK, BuildSpec, build, build_lock
+from furcate.runtime.executor.graph_cache import complete, graph_dir, graph_file, graph_key, load_graphs, save_graphs
+from furcate.runtime.model.weights.loader import load_model
 
 BUILD_WAIT_S = 600  # a cold build of the tiny model is ~30 s on 2 cores; CI's machines may be slower
 
@@ -76,7 +76,7 @@ def test_the_key_follows_what_a_graph_bakes_in(tiny_model_dirs):
 
 
 def test_graph_folders_long_unused_are_pruned_and_loading_keeps_one(tmp_path):
-    from furcate.runtime.graph_cache import UNUSED_S, prune_unused
+    from furcate.runtime.executor.graph_cache import UNUSED_S, prune_unused
 
     now = time.time()
     old, recent, loaded = (tmp_path / name for name in ("old", "recent", "loaded"))
@@ -153,8 +153,8 @@ def test_a_default_engine_builds_its_graphs_in_the_background_then_loads_them(
 
 def test_a_build_that_fails_is_not_tried_again_at_every_start(tiny_model_dirs, tmp_path, private_cache):
     """No C++ compiler for inductor: the builder fails, says why, and later starts stay eager without a builder."""
-    from furcate.runtime.graph_builder import FAILED, start_background_build
-    from furcate.runtime.serving_model import load_serving_model
+    from furcate.runtime.executor.graph_builder import FAILED, start_background_build
+    from furcate.runtime.executor.serving_model import load_serving_model
 
     model, _ = load_serving_model(str(tiny_model_dirs["llama"]), torch.float32, "none", graphs=True)
     attn = model.model.layers[0].self_attn
@@ -163,7 +163,7 @@ def test_a_build_that_fails_is_not_tried_again_at_every_start(tiny_model_dirs, t
                      (len(model.model.layers), attn.num_kv_heads, attn.head_dim), (1,), torch.get_num_threads(),
                      graph_key(model, pool, [1]))
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
-    run = subprocess.run([sys.executable, "-m", "furcate.runtime.graph_builder", spec.to_json()], env=env,
+    run = subprocess.run([sys.executable, "-m", "furcate.runtime.executor.graph_builder", spec.to_json()], env=env,
                          capture_output=True, text=True, timeout=BUILD_WAIT_S)
     assert run.returncode != 0
     failed = graph_dir(spec.key) / FAILED

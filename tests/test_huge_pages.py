@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import torch
 
-from furcate.runtime import huge_pages
+from furcate.runtime.cache import huge_pages
 from furcate.runtime.cache.memory_pool import TokenToKVPool
 
 MODE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import EXACT, assert_pool_free
 from furcate import Engine
-from furcate.runtime.scheduler.jump_forward import forced_tokens
+from furcate.runtime.scheduler.plugins.jump_forward import forced_tokens
 
 
 def pieces(tokenizer, ids: list[int]) -> list[str]:

@@ -1,10 +1,15 @@
-"""The package's import graph: no module or package imports itself round a circle, and the layers DESIGN.md
-draws hold (the runtime never imports the language or the interpreter; plug-ins depend on the scheduler, not the
-reverse). Every import counts, also those inside functions; only `if TYPE_CHECKING:` blocks are left out."""
+"""The package's import graph: no module or package imports itself round a circle, and the walls
+docs/architecture.md draws hold: the runtime never imports the language or the interpreter; the caller's process
+(runtime/engine/) never imports the scheduler, the executor, the kernels or the model's architecture; the kernels
+import nothing of the runtime but their own build helper and the cache folder; the executor never imports the
+scheduler; a plug-in reaches the scheduler only through the handle protocol. Every import counts: those inside
+functions and those under `if TYPE_CHECKING:` too (a type-only import is still a dependency a reader follows)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,13 +35,9 @@ MODULES = module_files()
 def imported(name: str, path: Path) -> set[str]:
     """The furcate modules `name` imports."""
     tree = ast.parse(path.read_text())
-    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-               and "TYPE_CHECKING" in ast.unparse(block.test) for node in ast.walk(block)}
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -101,19 +102,68 @@ def test_no_package_imports_itself_round_a_circle():
     assert circles(package_graph()) == []
 
 
+R = "furcate.runtime"
+PLUGINS = f"{R}.scheduler.plugins"
+# Inside the scheduler package, what a plug-in may import: the handle protocol and the plug-in base (plugins/base.py),
+# the request type and the memory manager the handle hands out, and its fellow plug-ins.
+PLUGIN_MAY_IMPORT = (f"{PLUGINS}.", f"{R}.scheduler.req", f"{R}.scheduler.memory")
+
+
+def crossings(importer: str, imported: str, allowed: tuple[str, ...] = ()) -> list[str]:
+    """Edges from modules under `importer` to modules under `imported`, less those into `allowed` prefixes."""
+    return sorted(f"{name} -> {dep}" for name, deps in GRAPH.items() if under(name, importer)
+                  for dep in deps if under(dep, imported) and not dep.startswith(allowed))
+
+
+def under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
 @pytest.mark.parametrize("importer, imported_prefix", [
     ("furcate.runtime", "furcate.lang"), ("furcate.runtime", "furcate.interpreter"),
     ("furcate.lang", "furcate.runtime"), ("furcate.lang", "furcate.interpreter"),
-    ("furcate.runtime.scheduler", "furcate.runtime.disaggregation"),
+    (f"{R}.scheduler", f"{R}.disaggregation"),
+    (f"{R}.engine", f"{R}.scheduler"), (f"{R}.engine", f"{R}.executor"), (f"{R}.engine", f"{R}.kernels"),
+    (f"{R}.executor", f"{R}.scheduler"), (f"{R}.wire", R + ".engine"), (f"{R}.model", f"{R}.executor"),
 ])
 def test_layers(importer, imported_prefix):
-    crossing = sorted(f"{name} -> {dep}" for name, deps in GRAPH.items() if name.startswith(importer)
-                      for dep in deps if dep.startswith(imported_prefix))
-    assert crossing == []
+    assert crossings(importer, imported_prefix) == []
+
+
+def test_the_engine_reads_checkpoints_but_never_builds_the_model():
+    """The caller's process inspects a checkpoint (model/weights/checkpoint.py, and the GGUF conversion it starts)
+    and nothing else of model/: the architecture runs in the scheduler process."""
+    assert crossings(f"{R}.engine", f"{R}.model", (f"{R}.model.weights.",)) == []
+    assert crossings(f"{R}.engine", f"{R}.model.weights", (f"{R}.model.weights.checkpoint",)) == []
+
+
+def test_the_wire_types_are_leaves():
+    """Both processes read runtime/wire/: it imports no other runtime package."""
+    assert crossings(f"{R}.wire", R, (f"{R}.wire.", f"{R}.sampling.params")) == []
+
+
+def test_the_kernels_import_nothing_of_the_runtime_but_their_build_helper():
+    assert crossings(f"{R}.kernels", R, (f"{R}.kernels.", f"{R}.cache_folder")) == []
+
+
+def test_plugins_reach_the_scheduler_only_through_the_handle():
+    assert crossings(PLUGINS, f"{R}.scheduler", PLUGIN_MAY_IMPORT) == []
+
+
+def test_the_engine_process_imports_no_model_code():
+    """Importing the Engine (what a caller's process does) loads none of the scheduler's, the executor's, the
+    kernels' or the architecture's modules, also not through another package."""
+    code = ("import sys, furcate.runtime.engine, furcate.runtime.server.app; "
+            "print('\\n'.join(m for m in sys.modules if m.startswith('furcate.runtime.')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=ROOT.parent if (ROOT.parent / "furcate").exists() else None).stdout.split()
+    walled = (f"{R}.scheduler", f"{R}.executor", f"{R}.kernels", f"{R}.model.decoder", f"{R}.model.layers",
+              f"{R}.model.moe", f"{R}.attention")
+    assert loaded and [m for m in loaded if m.startswith(walled)] == []
 
 
 def test_the_graph_is_read():
     """Guards the test itself: known edges are seen, so an empty circle list means something."""
     assert "furcate.runtime.scheduler.launchers" in GRAPH["furcate.runtime.scheduler.scheduler"]
-    assert "furcate.runtime.scheduler.plugins" in GRAPH["furcate.runtime.disaggregation.prefill"]
+    assert "furcate.runtime.scheduler.plugins.base" in GRAPH["furcate.runtime.disaggregation.prefill"]
     assert circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from furcate.runtime.attention import paged_attention
+from furcate.runtime.kernels import paged_attention
 from furcate.runtime.attention.base import ModelAttention
 
 pytestmark = pytest.mark.skipif(not paged_attention.available(), reason=f"kernel: {paged_attention.library()}")

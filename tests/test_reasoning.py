@@ -15,7 +15,7 @@ import furcate as sgl
 from app_thread import AppOnThread
 from conftest import TINY_POOL_TOKENS, assert_server_pool_free
 from furcate import Engine
-from furcate.runtime.reasoning import FORMATS, ReasoningStream, detect, split
+from furcate.runtime.tools.reasoning import FORMATS, ReasoningStream, detect, split
 from tiny_models import TEMPLATES, build_tiny_chat_model
 
 SCHEMA = {"type": "object", "properties": {"sunny": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import EXACT, NO_GRAMMAR
 from furcate import Engine
-from furcate.runtime.scheduler import start
+from furcate.runtime.engine import launch as start
 
 ARGS = EXACT | NO_GRAMMAR | {"max_total_tokens": 500, "torch_num_threads": 1}
 SAMPLING = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}

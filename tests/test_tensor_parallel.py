@@ -22,7 +22,7 @@ from furcate.runtime.config import EngineArgs
 from furcate.runtime.distributed.parallel_state import TensorParallel
 from furcate.runtime.distributed.spawn import spawn_followers
 from furcate.runtime.distributed.tp_layers import shard_tensor
-from furcate.runtime.model.loader import load_model
+from furcate.runtime.model.weights.loader import load_model
 from processes import descendants, wait_gone
 
 # No grammar backend: grammars only touch rank 0's sampling, and building one costs seconds per engine start.
@@ -184,8 +184,8 @@ def test_follower_exits_when_its_rank_zero_goes_away():
 # Loaded by every interpreter started with PYTHONPATH pointing here; breaks only the follower's model loading.
 BROKEN_FOLLOWER = """
 import sys
-if "furcate.runtime.scheduler.tp_follower" in sys.orig_argv:
-    from furcate.runtime.model import loader
+if "furcate.runtime.executor.tp_follower" in sys.orig_argv:
+    from furcate.runtime.model.weights import loader
 
     def load_model(*args, **kwargs):
         raise OSError("injected: this rank cannot read its shard")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from furcate.runtime.config import ServerArgs
-from furcate.runtime.model.default_model import prepare_default_model
+from furcate.runtime.model.weights.default_model import prepare_default_model
 from furcate.runtime.tools.formats import FORMATS, JSON_ARRAY, canonical, detect
 from furcate.runtime.tools.protocol import NO_PARAMETERS, ToolChoice, parse_tool_choice, parse_tools
 from furcate.runtime.tools.pythonic import parse_pythonic

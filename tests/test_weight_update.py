@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import EXACT, HFReference, assert_pool_free, engines_side_by_side
 from furcate import Engine
-from furcate.runtime.engine_rl import serialize_named_tensors
+from furcate.runtime.engine.rl import serialize_named_tensors
 from furcate.runtime.server.server_process import ServerProcess
 from processes import free_port
 from rl_trainer import round_weights
@@ -385,10 +385,10 @@ def test_http_routes_take_sglangs_bodies_behind_the_api_key(server, tiny_model_d
 
 
 def test_gguf_quantized_layers_refuse_updates_with_a_clear_error(tmp_path, monkeypatch):
-    from furcate.runtime.model.default_model import find_default_gguf, prepare_user_gguf
-    from furcate.runtime.model.loader import load_model
-    from furcate.runtime.model.quantize import apply_quantization
-    from furcate.runtime.model.weight_update import TensorSpec, WeightWriter
+    from furcate.runtime.model.weights.default_model import find_default_gguf, prepare_user_gguf
+    from furcate.runtime.model.weights.loader import load_model
+    from furcate.runtime.model.weights.quantize import apply_quantization
+    from furcate.runtime.model.weights.weight_update import TensorSpec, WeightWriter
     from tiny_gguf import build_tiny_gguf
 
     monkeypatch.setenv("FURCATE_CACHE", str(tmp_path))

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from ..messages import ImagePiece
+from ..wire.messages import ImagePiece
 
 
 @dataclass

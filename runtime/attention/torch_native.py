@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import paged_attention
+from ..kernels import paged_attention
 from .base import ForwardBatch, ModelAttention
 from .cascade import MIN_SHARED_TOKENS, attend_with_lse, merge, shared_prefix_len
 

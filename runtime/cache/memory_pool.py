@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import huge_pages
+from . import huge_pages
 
 
 class ReqToTokenPool:

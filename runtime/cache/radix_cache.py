@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from .memory_pool import ReqToTokenPool, TokenToKVPool
 from .base import MatchResult
 
 EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # KV slot lists are host bookkeeping

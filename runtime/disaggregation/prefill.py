@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..finish_reason import FinishReason
-from ..scheduler.plugins import SchedulerHandle, SchedulerPlugin
+from ..wire.finish_reason import FinishReason
+from ..scheduler.plugins.base import SchedulerHandle, SchedulerPlugin
 from ..scheduler.req import Req
 from .bootstrap import BootstrapServer, Claim, RoomRegistry
 from .layout import KVLayout, kv_buffers, write_list

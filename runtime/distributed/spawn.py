@@ -19,13 +19,13 @@ class Spawned:
 
 
 def spawn_followers(count: int) -> Spawned:
-    """`python -m furcate.runtime.scheduler.tp_follower FD` per rank, each holding one end of a socketpair (no
+    """`python -m furcate.runtime.executor.tp_follower FD` per rank, each holding one end of a socketpair (no
     listener, no key: nobody else can reach it, and it closes when either side exits)."""
     spawned = Spawned()
     for _ in range(count):
         ours, theirs = socket.socketpair()
         with theirs:
-            command = [sys.executable, "-m", "furcate.runtime.scheduler.tp_follower", str(theirs.fileno())]
+            command = [sys.executable, "-m", "furcate.runtime.executor.tp_follower", str(theirs.fileno())]
             spawned.processes.append(subprocess.Popen(command, pass_fds=[theirs.fileno()]))
         spawned.pipes.append(Connection(ours.detach()))
     return spawned

@@ -14,7 +14,7 @@ from torch import nn
 from ..attention.base import AttentionBackend
 from ..distributed.parallel_state import SINGLE, TensorParallel
 from ..distributed.tp_layers import row_linear
-from . import fused_elementwise
+from ..kernels import fused_elementwise
 from .rotary import CosSin, apply_rotary
 
 # The activations our families name, as HF's ACT2FN computes them. Importing transformers.activations pulls in

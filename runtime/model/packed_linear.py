@@ -34,15 +34,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import pathlib
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import native_build
-from .loader import available_memory_bytes
+from ..kernels import packed_linear as packed_linear_op_face
+from .weights.loader import available_memory_bytes
 
 logger = logging.getLogger("furcate.packed_linear")
 
@@ -196,24 +195,10 @@ def _op_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return layer.run(x)
 
 
-# The packed linear as an op a compiled graph can hold: its CPU kernel is packed_linear_op.cpp's where that builds
-# (registered at the low level, a CPU kernel and nothing else: torch.library.custom_op's wrappers cost
-# microseconds a call), else _op_kernel above.
-_LIBRARY = torch.library.Library("furcate", "FRAGMENT")
-_LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-OP_SOURCE = pathlib.Path(__file__).with_name("packed_linear_op.cpp")
-
-
 @functools.cache
 def native_kernel() -> bool:
-    """Whether furcate::packed_linear runs packed_linear_op.cpp's kernel (built once per machine with the C++
-    compiler and torch's headers); otherwise, or with FURCATE_NATIVE_OPS=0, the Python kernel is registered."""
-    return native_build.register_op_kernel(_LIBRARY, "packed_linear", OP_SOURCE, _op_kernel, logger)
+    """Whether furcate::packed_linear runs its C++ kernel (kernels/packed_linear.py); otherwise _op_kernel above."""
+    return packed_linear_op_face.native_kernel(_op_kernel)
 
 
-@torch.library.register_fake("furcate::packed_linear")
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-packed_linear_op = torch.ops.furcate.packed_linear.default
+packed_linear_op = packed_linear_op_face.packed_linear_op

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModel
 
-from ..messages import ImageSpan
+from ..wire.messages import ImageSpan
 
 # Each architecture's vision tower in transformers: (module, class), imported only when a model needs it (the
 # modeling modules cost ~1.5 s to import, paid by every engine start otherwise).

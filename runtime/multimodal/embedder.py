@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from ..messages import ImagePiece
+from ..wire.messages import ImagePiece
 
 CACHED_IMAGES = 64
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..messages import ImageSpan
+from ..wire.messages import ImageSpan
 
 
 @dataclass(frozen=True)

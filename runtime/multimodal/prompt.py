@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from transformers import AutoImageProcessor
 
-from ..messages import ImageSpan
+from ..wire.messages import ImageSpan
 from ..model.vision import VisionSpec
 from .images import ImageLimits, LoadedImage, load_images
 

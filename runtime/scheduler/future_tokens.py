@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # batch.py imports placeholder() from here
-    from .batch import ScheduleBatch
-    from .model_runner import StepResult
+    from ..executor.batch import ScheduleBatch
+    from ..executor.model_runner import StepResult
     from .req import Req
 
 

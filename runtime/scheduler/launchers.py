@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import ScheduleBatch
+from ..executor.batch import ScheduleBatch
 from .future_tokens import FutureTokens
-from .model_runner import ModelRunner, SamplingInputs, StepResult
+from ..executor.model_runner import ModelRunner, SamplingInputs, StepResult
 from .req import Req
 
 Fold = Callable[[ScheduleBatch, StepResult], None]  # the scheduler's process_result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..cache.base import PrefixCache
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from .batch import ReqSlice
+from ..executor.batch import ReqSlice
 from .req import Req
 
 # Output tokens reserved per request are capped, so one huge max_new_tokens cannot block admission forever.

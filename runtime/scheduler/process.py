@@ -31,7 +31,7 @@ def serve(conn: Connection) -> None:
 
     import torch
 
-    from ..messages import SchedulerError
+    from ..wire.messages import SchedulerError
     from .scheduler import Scheduler
 
     logging.basicConfig(level=args.log_level.upper())

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..finish_reason import FinishReason
-from ..messages import Bootstrap, ImageSpan, ReqOutput, SpecCounts, TokenizedGenerateReq, vocabulary_ids
+from ..wire.finish_reason import FinishReason
+from ..wire.messages import Bootstrap, ImageSpan, ReqOutput, SpecCounts, TokenizedGenerateReq, vocabulary_ids
 from ..multimodal.mrope import MRopePositions, prompt_positions
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow

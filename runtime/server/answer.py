@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import Engine
-from ..reasoning import ReasoningFormat, ReasoningStream
+from ..engine.engine import Engine
+from ..tools.reasoning import ReasoningFormat, ReasoningStream
 from ..tools.formats import CallFormat
 from ..tools.protocol import ToolCall, ToolChoice, ToolFunction, new_call_id
 from ..tools.pythonic import parse_pythonic

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import Engine
-from ..reasoning import partial_tag
+from ..engine.engine import Engine
+from ..tools.reasoning import partial_tag
 from ..tools.formats import CallFormat
 from ..tools.protocol import ToolCall
 

@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from ..config import ServerArgs
-from ..engine import Engine, QueueFullError
-from ..messages import PeerServerError
+from ..engine.engine import Engine, QueueFullError
+from ..wire.messages import PeerServerError
 from . import native, openai_api, rl_routes
 from .errors import ApiError, error_response
 from .keys import ENGINE, METRICS, SETTINGS

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..tools.protocol import ToolFunction, history_arguments
 from . import openai_format as fmt
 from .errors import ApiError

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..config import ServerArgs
-from ..engine import Engine
+from ..engine.engine import Engine
 from .metrics import ServerMetrics
 
 ENGINE = web.AppKey("engine", Engine)

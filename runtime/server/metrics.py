@@ -17,7 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ..request_state import RequestState
+from ..engine.request_state import RequestState
 
 # Latency buckets in seconds: CPU decode steps sit in the tens of milliseconds, whole requests in seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,

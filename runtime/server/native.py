@@ -9,7 +9,7 @@ import dataclasses
 from aiohttp import web
 
 from ...version import __version__
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..sampling.params import MAX_N
 from .errors import ApiError, check_fields, read_json_object
 from .image_fields import checked_images

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from . import openai_format as fmt
 from . import tool_calls
 from .answer import AnswerPlan

@@ -12,8 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ..engine import Engine
-from ..weight_messages import DEFAULT_GROUP, DEFAULT_GROUP_TIMEOUT_S
+from ..engine.engine import Engine
+from ..wire.weight_messages import DEFAULT_GROUP, DEFAULT_GROUP_TIMEOUT_S
 from .errors import ApiError, check_fields, read_json_object
 from .keys import ENGINE
 

@@ -16,7 +16,7 @@ from .server_process import READY_PREFIX, url_host
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, then finish (or abort) in-flight requests and exit 0.
     With dp_size > 1 or pd_disaggregation: servers behind sglang-router (data_parallel.py)."""
-    from ..engine import Engine
+    from ..engine.engine import Engine
 
     if server_args.dp_size > 1 or server_args.pd_disaggregation:
         from .data_parallel import serve_data_parallel

@@ -12,9 +12,9 @@ from typing import Any
 from aiohttp import web
 
 from ..config import ServerArgs
-from ..engine import Engine
-from ..reasoning import ReasoningFormat, reasoning_format
-from ..reasoning import detect as detect_reasoning
+from ..engine.engine import Engine
+from ..tools.reasoning import ReasoningFormat, reasoning_format
+from ..tools.reasoning import detect as detect_reasoning
 from ..tools.formats import FORMATS, JSON_ARRAY, PARSER_NAMES, PYTHONIC, CallFormat, canonical
 from ..tools.formats import detect as detect_format
 from ..tools.protocol import ToolChoice, ToolFunction, parse_tool_choice, parse_tools

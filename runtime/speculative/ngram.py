@@ -13,7 +13,7 @@ from .drafter import Drafter
 
 if TYPE_CHECKING:
     from ..config import EngineArgs
-    from ..scheduler.model_runner import ModelRunner
+    from ..executor.model_runner import ModelRunner
     from ..scheduler.req import Req
 
 

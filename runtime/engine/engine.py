@@ -1,0 +1,441 @@
+"""Engine: the in-process entry point. Tokenizes, validates, talks to the scheduler process, detokenizes.
+
+The model never runs on the caller's thread: the scheduler lives in a spawned process, and a receiver thread
+folds its outputs into per-request state that sync and async callers wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import queue
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from ..config import EngineArgs
+from ..distributed.tp_layers import check_tp_size
+from .rl import EngineRl
+from ..wire.messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
+from ..model.weights.loader import load_config, resolve_model_path
+from ..model.vision import checkpoint_vision_spec
+from ..multimodal.images import ImageLimits
+from ..multimodal.prompt import ImagePrompts
+from .request_builder import RequestBuilder
+from .request_state import RequestState
+from .launch import start_scheduler_process, started_one
+from .schema_check import SchemaChecker
+from ..speculative.draft_check import prepare_draft_model
+
+STARTUP_TIMEOUT_S = 600
+
+
+class QueueFullError(RuntimeError):
+    """More requests are in flight than max_running_requests + max_queued_requests allow; retry later."""
+
+
+def _deadline(timeout: Any, stream: bool) -> float | None:
+    """Validate `timeout` and turn it into a monotonic deadline (None: wait as long as it takes)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if stream:
+        raise ValueError("timeout applies to whole results; a stream's reader decides when to stop")
+    return time.monotonic() + timeout
+
+
+def _bootstrap_fields(host: Any, port: Any, room: Any) -> dict[str, Any]:
+    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+
+
+def image_prompts(model_path: str, args: EngineArgs, vocab_size: int) -> ImagePrompts | None:
+    """A vision-language model's image processing on this side; None for a text-only model."""
+    spec = checkpoint_vision_spec(model_path)
+    if spec is None:
+        return None
+    limits = ImageLimits(max_pixels=args.max_image_pixels, max_images=args.max_images_per_request,
+                         allow_remote=args.allow_remote_images)
+    return ImagePrompts(model_path, spec, vocab_size, limits)
+
+
+class Engine(EngineRl):
+    """`Engine(model_path="default", **engine_args)`; see EngineArgs for the arguments. The RL calls (weight
+    updates, memory release, pause) are in engine_rl.py."""
+
+    def __init__(self, model_path: str = "default", **kwargs: Any) -> None:
+        self.args = EngineArgs(model_path=model_path, **kwargs)
+        self.model_path = resolve_model_path(self.args.model_path)
+        if self.args.tp_size > 1:  # a model that cannot be split fails here, before any process starts
+            check_tp_size(load_config(self.model_path), self.args.tp_size)
+        self.args = prepare_draft_model(self.args, self.model_path)  # STANDALONE: a bad draft model fails here
+        self.tokenizer_path = self.args.tokenizer_path or self.model_path
+        self._send_lock = threading.Lock()
+        self._process, self._conn = start_scheduler_process()
+        self._send((self.args, self.model_path, self.tokenizer_path))
+        try:  # the tokenizer loads here while the scheduler process imports torch
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            self.info = self._wait_ready()
+        except BaseException:
+            self._process.kill()
+            self._process.wait()
+            raise
+        started_one()
+        self.builder = RequestBuilder(self.tokenizer, self.info, image_prompts(self.model_path, self.args,
+                                                                               self.info.vocab_size))
+        self._states: dict[str, RequestState] = {}
+        self._rpc_waiters: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._dead: Exception | None = None  # set once the scheduler process or its connection is gone
+        self.schema_checker = SchemaChecker()  # validates finished json_schema outputs on the receiver thread
+        # Called (on the receiver thread) with each request's RequestState when it ends: the server's metrics.
+        self.request_observers: list[Callable[[RequestState], None]] = []
+        self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="furcate-receiver")
+        self._receiver.start()
+
+    # -- public API ---------------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                 stream: bool = False, rid: str | None = None, timeout: float | None = None,
+                 bootstrap_host: str | None = None, bootstrap_port: int | None = None,
+                 bootstrap_room: int | None = None, image_data: Any = None):
+        """Generate for one prompt (returns a dict) or a list (returns a list, n results per prompt, in order).
+
+        With stream=True (one prompt, n=1) returns an iterator of chunks: `text` is cumulative, logprob lists
+        hold only the new entries. With `timeout` (seconds, not for streams) requests still unfinished then are
+        aborted and TimeoutError is raised. The bootstrap fields pair a request's halves on prefill and decode
+        engines (disaggregation_mode). `image_data` (vision-language models): one image per prompt or a list per
+        prompt, each a path, bytes, a PIL image, a base64 string or a data: URL, shown where the prompt has the
+        model's image placeholder.
+        """
+        deadline = _deadline(timeout, stream)
+        reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                          top_logprobs_num, rid, stream, return_text_in_logprobs,
+                                          _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room),
+                                          image_data)
+        self._check_capacity(len(reqs))
+        if stream:
+            return self._stream_sync(reqs[0], return_text_in_logprobs)
+        sinks = [queue.Queue() for _ in reqs]
+        states = [self._submit(req, return_text_in_logprobs, sink.put) for req, sink in zip(reqs, sinks)]
+        try:
+            results = [self._wait_result(state, sink, deadline) for state, sink in zip(states, sinks)]
+        except BaseException:
+            self._abort_unfinished(states)  # one item failed: the others must not run on, unowned
+            raise
+        return results[0] if single else results
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                             logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                             return_text_in_logprobs: bool = False, stream: bool = False, rid: str | None = None,
+                             timeout: float | None = None, bootstrap_host: str | None = None,
+                             bootstrap_port: int | None = None, bootstrap_room: int | None = None,
+                             image_data: Any = None):
+        """Async twin of generate(); with stream=True returns an async iterator of chunks."""
+        _deadline(timeout, stream)
+        bootstrap = _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room)
+        build_args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, rid,
+                      stream, return_text_in_logprobs, bootstrap, image_data)
+        if prompt is None and image_data is None:  # token ids: nothing slow to do
+            reqs, single = self.builder.build(*build_args)
+        else:  # tokenizing a long prompt must not stall every other coroutine on this loop (fast tokenizers
+            # release the GIL); the thread raises the same ValueError here
+            reqs, single = await asyncio.to_thread(self.builder.build, *build_args)
+        self._check_capacity(len(reqs))
+        if stream:
+            return self._stream_async(reqs[0], return_text_in_logprobs)
+        tasks = [asyncio.ensure_future(self._await_one(req, return_text_in_logprobs)) for req in reqs]
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+        except BaseException:
+            for task in tasks:  # cancelling a waiter aborts its request (see _await_one)
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return results[0] if single else list(results)
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that shows one image in a prompt (LLaVA's `<image>`, Qwen2-VL's
+        `<|vision_start|><|image_pad|><|vision_end|>`); None for a text-only model."""
+        images = self.builder.images
+        if images is None:
+            return None
+        spec = images.spec
+        start, end = spec.wrap_token_ids or (None, None)
+        ids = [spec.image_token_id] if start is None else [start, spec.image_token_id, end]
+        return "".join(self.tokenizer.convert_ids_to_tokens(ids))
+
+    @property
+    def image_tokens(self) -> int | None:
+        """Prompt tokens one image takes (0 for a text-only model); None: each image its own (Qwen2-VL)."""
+        return 0 if self.builder.images is None else self.builder.images.spec.tokens_per_image
+
+    def abort(self, rid: str) -> None:
+        """Abort request `rid`, and the requests a list or n > 1 call derived from it (`rid-i-j`)."""
+        with self._lock:
+            derived = [r for r in self._states if r.startswith(f"{rid}-")]
+        for one in [rid, *derived]:
+            self._send(AbortReq(one))
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._states)
+
+    def get_stats(self) -> dict[str, Any]:
+        """Scheduler counters (forward time, KV pool occupancy, running and waiting requests) and this side's
+        structured-output checks (schema_checked, schema_violations, schema_incomplete, schema_unchecked)."""
+        return {**self._rpc("get_stats"), **self.schema_checker.stats()}
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; False (nothing done) while running requests hold parts of it."""
+        return self.flush_cache_result()[0]
+
+    def flush_cache_result(self) -> tuple[bool, str]:
+        """flush_cache with the reason when it was refused."""
+        return self._control("flush_cache")
+
+    def check_integrity(self) -> bool:
+        """Verify the scheduler's KV bookkeeping (every slot free, cached or owned by one request)."""
+        return self._rpc("check_integrity")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._process.poll() is None and self._dead is None:
+            try:
+                self._rpc("shutdown", timeout=30)
+                self._process.wait(timeout=10)
+            except (RuntimeError, OSError, TimeoutError, subprocess.TimeoutExpired):
+                self._process.kill()
+                self._process.wait()
+        self._conn.close()
+        self._fail_all(RuntimeError("engine was shut down"))
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.shutdown()
+
+    # -- plumbing -----------------------------------------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        """True while the engine can serve: not shut down, scheduler process running, receiver listening."""
+        return (not self._closed and self._dead is None and self._process.poll() is None
+                and self._receiver.is_alive())
+
+    def _check_capacity(self, count: int) -> None:
+        """Refuse a call at once, all of it, when its requests would queue past max_queued_requests."""
+        limit = self.args.max_queued_requests
+        if limit is None:
+            return
+        capacity = self.args.max_running_requests + limit
+        in_flight = self.num_in_flight()
+        if in_flight + count > capacity:
+            raise QueueFullError(f"the request queue is full ({in_flight} requests in flight, room for {capacity}"
+                                 f" with max_queued_requests={limit}); retry later")
+
+    def _submit(self, req: TokenizedGenerateReq, return_text: bool, sink) -> RequestState:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if self._dead is not None:
+            raise RuntimeError(f"engine cannot serve: {self._dead}")
+        state = RequestState(req, self.tokenizer, return_text, sink, self.schema_checker)
+        with self._lock:
+            if req.rid in self._states:
+                raise ValueError(f"rid {req.rid!r} is already in flight")
+            self._states[req.rid] = state
+        self._send(req)
+        return state
+
+    def _abort_unfinished(self, states: list[RequestState]) -> None:
+        for state in states:
+            if not state.finished:
+                self._abandon(state)
+
+    def _abandon(self, state: RequestState) -> None:
+        """Nobody waits for this request any more: forget it here (later outputs are dropped) and abort it."""
+        with self._lock:
+            self._states.pop(state.req.rid, None)
+        self._observe(state)
+        if self._dead is None and not self._closed:
+            self._send(AbortReq(state.req.rid))
+
+    @staticmethod
+    def _wait_result(state: RequestState, sink: queue.Queue, deadline: float | None = None) -> dict[str, Any]:
+        """A request nobody streams puts one item in its sink: the whole result, or the error."""
+        try:
+            item = sink.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
+        except queue.Empty:
+            raise TimeoutError(f"request {state.req.rid} did not finish in time") from None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def _stream_sync(self, req: TokenizedGenerateReq, return_text: bool) -> Iterator[dict[str, Any]]:
+        sink: queue.Queue = queue.Queue()
+        state = self._submit(req, return_text, sink.put)
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            try:
+                while True:
+                    item = sink.get()
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+                    if item["meta_info"]["finish_reason"] is not None:
+                        return
+            finally:
+                if not state.finished:
+                    self._abandon(state)
+
+        return chunks()
+
+    async def _await_one(self, req: TokenizedGenerateReq, return_text: bool) -> dict[str, Any]:
+        state, sink = self._submit_async(req, return_text)
+        try:
+            item = await sink.get()  # a request nobody streams delivers one item: the whole result, or the error
+        finally:
+            if not state.finished:  # cancelled: nobody waits any more
+                self._abandon(state)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def _stream_async(self, req: TokenizedGenerateReq, return_text: bool) -> AsyncIterator[dict[str, Any]]:
+        state, sink = self._submit_async(req, return_text)
+        async for chunk in self._consume_async(state, sink):
+            yield chunk
+
+    def _submit_async(self, req: TokenizedGenerateReq, return_text: bool) -> tuple[RequestState, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+
+        def deliver(item: Any) -> None:
+            if not loop.is_closed():  # the caller's loop may be gone (asyncio.run returned); nobody to tell
+                loop.call_soon_threadsafe(sink.put_nowait, item)
+
+        state = self._submit(req, return_text, deliver)
+        return state, sink
+
+    async def _consume_async(self, state: RequestState, sink: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item["meta_info"]["finish_reason"] is not None:
+                    return
+        finally:
+            if not state.finished:
+                self._abandon(state)
+
+    def _rpc(self, method: str, timeout: float = 60, payload: Any = None) -> Any:
+        if self._dead is not None:
+            raise RuntimeError(f"engine cannot serve: {self._dead}")
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._rpc_waiters[call_id] = future
+        self._send(RpcReq(method, call_id, payload))
+        return future.result(timeout=timeout)
+
+    def _send(self, message: Any) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _wait_ready(self) -> SchedulerReady:
+        try:
+            if not self._conn.poll(STARTUP_TIMEOUT_S):
+                raise TimeoutError(f"scheduler did not start within {STARTUP_TIMEOUT_S}s")
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"scheduler process exited with code {self._process.wait()} during start-up") from None
+        if isinstance(message, SchedulerError):
+            raise RuntimeError(f"scheduler failed to start:\n{message.message}")
+        return message
+
+    def _receive_loop(self) -> None:
+        while True:
+            try:
+                messages = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._closed:
+                    self._die(RuntimeError(f"scheduler process died (exit code {self._process.wait()})"))
+                return
+            if isinstance(messages, SchedulerError):
+                self._die(RuntimeError(f"scheduler crashed:\n{messages.message}"))
+                return
+            for message in messages:
+                try:
+                    self._dispatch(message)
+                except Exception as error:  # noqa: BLE001 - one request's failure must not stop the receiver
+                    self._fail_one(getattr(message, "rid", None), error)
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, RpcOut):
+            with self._lock:
+                future = self._rpc_waiters.pop(message.call_id, None)
+            if future is not None:
+                if isinstance(message.result, Exception):
+                    future.set_exception(message.result)
+                else:
+                    future.set_result(message.result)
+            return
+        with self._lock:
+            state = self._states.get(message.rid)
+        if state is None:  # already aborted on this side
+            return
+        state.apply(message)
+        if state.finished:
+            with self._lock:
+                self._states.pop(message.rid, None)
+            self._observe(state)
+
+    def _observe(self, state: RequestState) -> None:
+        for observer in self.request_observers:
+            with contextlib.suppress(Exception):  # metrics must never fail a request or stop the receiver
+                observer(state)
+
+    def _die(self, error: Exception) -> None:
+        self._dead = error
+        self._fail_all(error)
+
+    def _fail_one(self, rid: str | None, error: Exception) -> None:
+        """A request whose output could not be processed (e.g. detokenized) fails alone and is aborted."""
+        with self._lock:
+            state = self._states.pop(rid, None) if rid is not None else None
+        if state is not None:
+            with contextlib.suppress(Exception):  # the receiver must survive whatever the sink does
+                state.fail(RuntimeError(f"request {rid} failed while its output was processed: "
+                                        f"{type(error).__name__}: {error}"))
+            if self._dead is None and not self._closed:
+                self._send(AbortReq(rid))
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            states, self._states = list(self._states.values()), {}
+            waiters, self._rpc_waiters = list(self._rpc_waiters.values()), {}
+        for state in states:
+            state.fail(error)
+        for future in waiters:
+            future.set_exception(error)

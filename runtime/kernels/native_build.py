@@ -1,0 +1,146 @@
+"""C kernels built once per machine with the system compiler, for the CPU they run on, and cached on disk.
+
+A kernel's library is keyed by its source (and the files beside it that it includes), the compiler, the flags and
+the CPU (-march=native compiles for the CPU at hand), so another machine, flag set or edit builds its own. It is
+compiled into a temporary file and moved into place, so a concurrent start never loads half a file. Without a
+compiler, or where the build fails, load raises OSError or SubprocessError and the caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from ..cache_folder import furcate_cache
+
+if TYPE_CHECKING:
+    import torch
+
+Built = TypeVar("Built")
+
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+
+
+def cache_dir() -> pathlib.Path:
+    return furcate_cache() / "kernels"
+
+
+def cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def source_texts(source: pathlib.Path) -> list[str]:
+    """source's text and those of the files beside it that it includes (#include "name"), which a build also
+    compiles."""
+    text = source.read_text()
+    included = re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.MULTILINE)
+    return [text, *((source.parent / name).read_text() for name in included)]
+
+
+def library_path(source: pathlib.Path, compiler: str, flags: tuple[str, ...]) -> pathlib.Path:
+    key = hashlib.sha256("\0".join([*source_texts(source), compiler, *flags, cpu_signature()]).encode())
+    return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def build(source: pathlib.Path, compiler: str, flags: tuple[str, ...], target: pathlib.Path,
+          libraries: tuple[str, ...] = ()) -> None:
+    """Compile source into target; libraries (-L and -l options) come after the source, where a linker that
+    links only libraries in use (--as-needed) still sees what the source needs from them."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = pathlib.Path(scratch) / target.name
+        subprocess.run([compiler, *flags, str(source), *libraries, "-o", str(built)], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(built, target)
+
+
+def load(source: pathlib.Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """source built with FLAGS and extra_flags ($CC, else cc), building it if needed."""
+    compiler, flags = os.environ.get("CC", "cc"), FLAGS + extra_flags
+    target = library_path(source, compiler, flags)
+    if not target.exists():
+        build(source, compiler, flags, target)
+    return ctypes.CDLL(str(target))
+
+
+def torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a C++ library of torch ops compiles with (this torch's headers and ABI; its version names the build, so
+    another torch builds its own) and links with (its libraries)."""
+    import torch
+
+    root, abi = pathlib.Path(torch.__file__).parent, int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = ("-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DFURCATE_TORCH={torch.__version__}",
+                     f"-I{root / 'include'}")
+    return compile_flags, (f"-L{root / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10")
+
+
+def load_torch_ops(source: pathlib.Path, linked: tuple[pathlib.Path, ...] = ()) -> pathlib.Path:
+    """source, a C++ file registering torch ops, built ($CXX, else c++) with the C libraries `linked` (load's,
+    calling into them) and loaded into torch's dispatcher; the library's path. Raises OSError or SubprocessError
+    as load does."""
+    import torch
+
+    compile_flags, torch_libraries = torch_flags()
+    libraries = (*map(str, linked), *(f"-Wl,-rpath,{path.parent}" for path in linked), *torch_libraries)
+    compiler, flags = os.environ.get("CXX", "c++"), FLAGS + compile_flags
+    target = library_path(source, compiler, flags + libraries)
+    if not target.exists():
+        build(source, compiler, flags, target, libraries)
+    try:
+        torch.ops.load_library(str(target))
+    except RuntimeError as error:  # the dispatcher refused it (say a schema that disagrees)
+        raise OSError(str(error)) from error
+    return target
+
+
+def register_op_kernel(library: torch.library.Library, name: str, source: pathlib.Path,
+                       python_kernel: Callable[..., object], logger: logging.Logger,
+                       linked: tuple[pathlib.Path, ...] = ()) -> bool:
+    """Give the op furcate::`name` (defined in library) its CPU kernel: source's C++ (load_torch_ops; it registers
+    itself) where it builds, so that a compiled graph calls it without a trip into Python (~8 us a call), else
+    python_kernel (also with FURCATE_NATIVE_OPS=0). Whether the C++ kernel runs."""
+    built = load_or_reason("FURCATE_NATIVE_OPS", lambda: load_torch_ops(source, linked), logger,
+                           f"furcate::{name} runs its Python kernel")
+    if isinstance(built, str):
+        library.impl(name, python_kernel, "CPU")
+    return not isinstance(built, str)
+
+
+def available_with_op(library: object, native_op: Callable[[], bool]) -> bool:
+    """Whether a C kernel is built (library: its library, or why there is none); where it is, its op is given its
+    CPU kernel first (native_op, cached, registers it)."""
+    if isinstance(library, str):
+        return False
+    native_op()
+    return True
+
+
+def failure_reason(error: OSError | subprocess.SubprocessError) -> str:
+    """What a failed build or load says: the compiler's errors where it ran."""
+    return (getattr(error, "stderr", None) or str(error)).strip()
+
+
+def load_or_reason(variable: str, load: Callable[[], Built], logger: logging.Logger, fallback: str) -> Built | str:
+    """load()'s library, or why there is none: turned off by `variable`=0, or its build or load failed (logged
+    as a warning that names the `fallback` running instead)."""
+    if os.environ.get(variable, "1") == "0":
+        return f"turned off by {variable}=0"
+    try:
+        return load()
+    except (OSError, subprocess.SubprocessError) as error:
+        reason = failure_reason(error)
+        logger.warning("%s: %s", fallback, reason)
+        return f"could not build or load it: {reason}"

@@ -1,0 +1,150 @@
+"""Attention read straight from the paged KV pool (paged_attention.c), for CPU batches: decode and prefill.
+
+Gathering each request's K/V rows into a padded block and running SDPA on it moves every row twice more than
+attention needs, and a padded, masked SDPA computes every key against every query of a bucket. At batch 32 with
+~550-token contexts the gather and SDPA cost the default model more per decode step than its matmuls (a compiled
+step: 150 of 255 ms). The C kernel reads each row once per tile of queries, where it lies in the pool, and never
+reads keys past a tile's last position. Where the CPU has AVX512-BF16, bfloat16 pools are multiplied as bfloat16
+(paged_attention_bf16.h): the same float32 results for less work a key; bfloat16_products() says whether a build does.
+
+Eager forwards call the library through ctypes; a compiled decode step traces the registered op
+furcate::paged_attention, whose CPU kernel is C++ (paged_attention_op.cpp, calling the same library) where that
+builds. Built once per machine (native_build.py); without a compiler, attention keeps its torch
+path (available() says why), and FURCATE_PAGED_ATTENTION=0 keeps it there too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from . import native_build
+from ..attention.base import ForwardBatch, ModelAttention
+
+logger = logging.getLogger("furcate.paged_attention")
+
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention.c"
+OP_SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention_op.cpp"
+# paged_attention.c's limits: query heads per KV head, head dimension (a multiple of LANES)
+MAX_GROUP, MAX_DIM, LANES = 16, 256, 16
+DTYPES = (torch.float32, torch.bfloat16)
+ERRORS = {-1: "shapes beyond the kernel's limits", -2: "a request's tokens run past its slot table",
+          -3: "out of memory"}
+
+
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernel built with native_build's flags and extra_flags (say -mno-avx512bf16 for the float path on every
+    pool), building it if needed."""
+    lib = native_build.load(SOURCE, extra_flags)
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_int]
+    lib.paged_attention_bf16_products.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | str:
+    """The kernel, or why there is none."""
+    return native_build.load_or_reason("FURCATE_PAGED_ATTENTION", load, logger,
+                                       "paged attention kernel unavailable, attention gathers K/V for SDPA")
+
+
+def available() -> bool:
+    """Whether the kernel is built (and then its op has its CPU kernel)."""
+    return native_build.available_with_op(library(), native_op)
+
+
+def bfloat16_products(lib: ctypes.CDLL) -> bool:
+    """Whether this build multiplies bfloat16 pools' numbers as bfloat16 (AVX512-BF16: paged_attention_bf16.h)
+    rather than widening them to float32 (the same results, up to the order of float32 sums)."""
+    return bool(lib.paged_attention_bf16_products())
+
+
+@functools.cache
+def native_op() -> bool:
+    """Give furcate::paged_attention its CPU kernel once the library loads: paged_attention_op.cpp's where that
+    builds, else attention() below; whether it is the C++ one."""
+    return native_build.register_op_kernel(_LIBRARY, "paged_attention", OP_SOURCE, attention, logger,
+                                           linked=(pathlib.Path(library()._name),))
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes this attention shape and dtype (and is built): float32 or bfloat16."""
+    return (dtype in DTYPES and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+            and head_dim <= MAX_DIM and head_dim % LANES == 0 and available())
+
+
+def serves(model: ModelAttention | None) -> bool:
+    """Whether every layer of this model can attend through the kernel: full causal attention (no sliding
+    window), no soft-capped scores, a shape and dtype it takes."""
+    return (model is not None and model.num_kv_heads is not None and model.windows == frozenset({None})
+            and model.logit_cap is None and supports(model.num_heads, model.num_kv_heads, model.head_dim,
+                                                     model.dtype))
+
+
+@dataclass
+class PagedTable:
+    """A batch's requests as the kernel reads them (planned on the scheduler thread)."""
+
+    kv_index: torch.Tensor  # [B, L] int64: row b's first seq_lens[b] entries are its KV slots
+    spans: torch.Tensor  # [3, B] int64: each request's first row in the packed tokens, new tokens, cached ones
+
+
+def spans(first_rows: torch.Tensor, new_tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    return torch.stack([first_rows, new_tokens, cached]).to(torch.int64)
+
+
+def paged_table(batch: ForwardBatch) -> PagedTable:
+    """The request table's rows of a batch, up to its longest context (a copy: indexing by a tensor)."""
+    longest = int(batch.seq_lens.max())
+    table = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :longest]
+    first_rows = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+    return PagedTable(table, spans(first_rows, batch.extend_lens, batch.prefix_lens))
+
+
+def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
+              spans: torch.Tensor, scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """q [T, H, D], the batch's new tokens packed request after request; k_pool and v_pool [slots, Hkv, D] of q's
+    dtype (float32 or bfloat16), the new tokens' K/V written; kv_index [B, L] int64 and spans [3, B] as PagedTable
+    holds them (a slot outside the pool reads slot 0). Causal: each token sees its request's slots up to its own.
+    Returns [T, H, D] of q's dtype, computed in float32. lib: a build of the kernel (load()), else the
+    engine's."""
+    q, kv_index, spans = q.contiguous(), kv_index.contiguous(), spans.contiguous()
+    if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in DTYPES:
+        raise ValueError(f"paged attention runs float32 or bfloat16, not {q.dtype} queries over a "
+                         f"{k_pool.dtype}/{v_pool.dtype} pool")
+    tokens, heads, dim = q.shape
+    out = torch.empty_like(q)
+    status = (lib or library()).paged_attention(
+        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], kv_index.data_ptr(),
+        kv_index.shape[1], spans.data_ptr(), spans.shape[1], heads, k_pool.shape[1], dim, scale, out.data_ptr(),
+        torch.get_num_threads(), q.dtype == torch.bfloat16)
+    if status:
+        raise ValueError(f"paged attention: {ERRORS[status]} (up to {MAX_GROUP} query heads per KV head and "
+                         f"head_dim {MAX_DIM}, a multiple of {LANES}; here {heads}/{k_pool.shape[1]} heads of "
+                         f"{dim})")
+    return out
+
+
+# attention as an op a compiled graph can hold, registered at the low level (a CPU kernel and nothing else, given
+# by library() once the kernel loads), as block_gemv is: torch.library.custom_op's wrappers cost microseconds a call.
+_LIBRARY = torch.library.Library("furcate", "FRAGMENT")
+_LIBRARY.define("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_index, Tensor spans, "
+                "float scale) -> Tensor")
+
+
+@torch.library.register_fake("furcate::paged_attention")
+def _(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor, spans: torch.Tensor,
+      scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+attention_op = torch.ops.furcate.paged_attention.default

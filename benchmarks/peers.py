@@ -252,8 +252,8 @@ def worker_main(spec: dict) -> None:
 def prepare_models(shape: str, quant_type: str) -> dict:
     """The GGUFs llama.cpp reads (source Q4, F32, BF16), what furcate is given, and the HF directory vLLM and HF
     load: furcate's own conversion of the source GGUF, so all of them hold one set of weights."""
+    from furcate.runtime.model.weights.checkpoint import resolve_model_path
     from furcate.runtime.model.weights.default_model import find_default_gguf
-    from furcate.runtime.model.weights.loader import resolve_model_path
 
     from .peer_llama_cpp import write_gguf_copy
     from .peer_models import SHAPE_1B, write_random_gguf

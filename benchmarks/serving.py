@@ -881,8 +881,8 @@ def main() -> None:
         return
     from transformers import AutoTokenizer
 
+    from furcate.runtime.model.weights.checkpoint import resolve_model_path
     from furcate.runtime.model.weights.default_model import find_default_gguf
-    from furcate.runtime.model.weights.loader import resolve_model_path
 
     model_dir, gguf = resolve_model_path("default"), str(find_default_gguf())
     systems = [s for s in args.systems.split(",") if s]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from . import registry
 from .attention.select import resolve_attention_backend
-from .tools.reasoning import FORMATS as REASONING_FORMATS
 from .tools.formats import PARSER_NAMES
+from .tools.reasoning import FORMATS as REASONING_FORMATS
 
 MAX_DP_SIZE = 64
 MAX_TP_SIZE = 8

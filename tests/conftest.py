@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from furcate import Engine
+from furcate.runtime.engine.launch import keep_a_spare_scheduler
 from furcate.runtime.kernels import native_build
 from furcate.runtime.model.weights.default_model import prepare_default_model
-from furcate.runtime.engine.launch import keep_a_spare_scheduler
 from furcate.runtime.server.server_process import ServerProcess
 from tiny_models import CONFIGS, build_tiny_model
 

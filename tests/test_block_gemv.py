@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from furcate.runtime.kernels import native_build
-from furcate.runtime.kernels import block_gemv
+from furcate.runtime.kernels import block_gemv, native_build
 from furcate.runtime.model.weights.quantized import (
     BlockGemvLinear,
     BlockWeights,

@@ -11,7 +11,12 @@ import torch
 
 from furcate.runtime.attention.torch_native import TorchNativeAttention
 from furcate.runtime.config import EngineArgs
-from furcate.runtime.executor.cuda_graph import batch_size_ladder, capture_batch_sizes, pad_decode_batch, padded_batch_size
+from furcate.runtime.executor.cuda_graph import (
+    batch_size_ladder,
+    capture_batch_sizes,
+    pad_decode_batch,
+    padded_batch_size,
+)
 from test_flashinfer_plan import HEAD_DIM, HEADS, KV_HEADS, make_batch
 
 

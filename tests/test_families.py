@@ -16,11 +16,13 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from conftest import EXACT, NO_GRAMMAR, HFReference, assert_pool_free, engine_starting
+from furcate.runtime.distributed.parallel_state import TensorParallel
 from furcate.runtime.executor.compiled_decode import compilable
 from furcate.runtime.executor.cuda_graph_runner import capturable
-from furcate.runtime.distributed.parallel_state import TensorParallel
-from furcate.runtime.model.weights.loader import load_config, load_model
-from furcate.runtime.model.weights.weight_update import TensorSpec, WeightWriter
+from furcate.runtime.model.weights.checkpoint import load_config
+from furcate.runtime.model.weights.loader import load_model
+from furcate.runtime.model.weights.weight_update import WeightWriter
+from furcate.runtime.wire.tensor_specs import TensorSpec
 from test_bf16 import _hf_bf16, assert_bf16_within_noise
 from test_greedy_matches_hf import make_prompts
 from tiny_families import FAMILY_NAMES, TP_FAMILIES, build_family_model

@@ -279,9 +279,9 @@ def test_make_attention_backend_builds_flashinfer_with_the_models_attention(relo
 
 
 def test_the_runner_describes_each_layers_window():
+    from furcate.runtime.executor.model_runner import model_attention
     from furcate.runtime.model.decoder import DecoderForCausalLM
     from furcate.runtime.model.families import FAMILIES
-    from furcate.runtime.executor.model_runner import model_attention
     from tiny_models import CONFIGS
 
     for arch, family, windows in [("llama", "LlamaForCausalLM", {None}), ("mistral", "MistralForCausalLM", {24})]:

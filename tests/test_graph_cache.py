@@ -13,11 +13,11 @@ import torch
 
 from conftest import EXACT, NO_GRAMMAR
 from furcate import Engine
-from furcate.runtime.kernels import paged_attention
 from furcate.runtime.cache.memory_pool import TokenToKVPool
 from furcate.runtime.executor.compiled_decode import compile_graphs, decode_step, uses_paged_kernel
 from furcate.runtime.executor.graph_builder import LOCK, BuildSpec, build, build_lock
 from furcate.runtime.executor.graph_cache import complete, graph_dir, graph_file, graph_key, load_graphs, save_graphs
+from furcate.runtime.kernels import paged_attention
 from furcate.runtime.model.weights.loader import load_model
 
 BUILD_WAIT_S = 600  # a cold build of the tiny model is ~30 s on 2 cores; CI's machines may be slower

@@ -12,8 +12,8 @@ import torch
 from furcate.runtime.cache.memory_pool import TokenToKVPool
 from furcate.runtime.disaggregation.bootstrap import RoomRegistry
 from furcate.runtime.disaggregation.layout import KVLayout, runs, write_list
-from furcate.runtime.wire.messages import SchedulerReady
 from furcate.runtime.engine.request_builder import RequestBuilder
+from furcate.runtime.wire.messages import SchedulerReady
 
 
 def test_runs_merge_stretches_consecutive_on_both_sides():

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from furcate.runtime.executor.batch import ScheduleBatch
+from furcate.runtime.executor.model_runner import StepResult
 from furcate.runtime.scheduler.future_tokens import FutureTokens, placeholder
 from furcate.runtime.scheduler.launchers import OverlapLauncher, PlainLauncher
-from furcate.runtime.executor.model_runner import StepResult
 
 
 def _batch(*samples: bool, first_slot: int = 0) -> ScheduleBatch:

@@ -158,7 +158,7 @@ def test_the_engine_process_imports_no_model_code():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=ROOT.parent if (ROOT.parent / "furcate").exists() else None).stdout.split()
     walled = (f"{R}.scheduler", f"{R}.executor", f"{R}.kernels", f"{R}.model.decoder", f"{R}.model.layers",
-              f"{R}.model.moe", f"{R}.attention")
+              f"{R}.model.moe", f"{R}.model.vision")
     assert loaded and [m for m in loaded if m.startswith(walled)] == []
 
 

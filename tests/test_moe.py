@@ -17,7 +17,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLaye
 
 from furcate.runtime.distributed.parallel_state import SINGLE, TensorParallel
 from furcate.runtime.model import moe
-from furcate.runtime.model.moe import MOE_STYLES, SparseMoE, moe_placement, split_moe_name
+from furcate.runtime.model.families import MOE_STYLES
+from furcate.runtime.model.moe import SparseMoE, moe_placement, split_moe_name
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               num_experts_per_tok=2, initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=2)

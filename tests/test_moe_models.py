@@ -16,13 +16,14 @@ from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from conftest import engine_starting
+from furcate.runtime.distributed.parallel_state import TensorParallel
 from furcate.runtime.executor.compiled_decode import compilable
 from furcate.runtime.executor.cuda_graph_runner import capturable
-from furcate.runtime.distributed.parallel_state import TensorParallel
-from furcate.runtime.distributed.tp_layers import check_tp_size
-from furcate.runtime.model.weights.loader import load_config, load_model
 from furcate.runtime.model.moe import SparseMoE
-from furcate.runtime.model.weights.weight_update import TensorSpec, WeightWriter
+from furcate.runtime.model.weights.checkpoint import check_tp_size, load_config
+from furcate.runtime.model.weights.loader import load_model
+from furcate.runtime.model.weights.weight_update import WeightWriter
+from furcate.runtime.wire.tensor_specs import TensorSpec
 from test_families import (
     ENGINE_ARGS,
     assert_greedy_equals_hf,

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from furcate.runtime.kernels import paged_attention
+from furcate.runtime.attention import paged_table
 from furcate.runtime.attention.base import ModelAttention
+from furcate.runtime.kernels import paged_attention
 
 pytestmark = pytest.mark.skipif(not paged_attention.available(), reason=f"kernel: {paged_attention.library()}")
 
@@ -286,5 +287,5 @@ def test_shapes_beyond_its_limits_are_refused(attend):
 ])
 def test_models_it_serves(change, serves):
     shape = dict(num_heads=8, head_dim=64, scaling=0.125, dtype=torch.float32, num_kv_heads=2)
-    assert paged_attention.serves(ModelAttention(**{**shape, **change})) is serves
-    assert not paged_attention.serves(None)
+    assert paged_table.serves(ModelAttention(**{**shape, **change})) is serves
+    assert not paged_table.serves(None)

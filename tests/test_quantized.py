@@ -12,9 +12,9 @@ from gguf.quants import dequantize
 from benchmarks.precision_quality import chat_ids, greedy, measure, reference_logprobs
 from conftest import NO_GRAMMAR, assert_pool_free, engines_side_by_side
 from furcate import Engine
+from furcate.runtime.model.kernel_choice import ROW_LADDER, small_batch_rows
 from furcate.runtime.model.weights.default_model import find_default_gguf, prepare_user_gguf
 from furcate.runtime.model.weights.gguf_arch import ARCHS, unpermute_rope
-from furcate.runtime.model.kernel_choice import ROW_LADDER, small_batch_rows
 from furcate.runtime.model.weights.loader import load_model
 from furcate.runtime.model.weights.quantize import gguf_block_weights, measured_quantization
 from furcate.runtime.model.weights.quantized import Int4Linear, Int8Linear, SmallBatchQuantized, read_blocks

@@ -13,9 +13,9 @@ import requests
 from conftest import EXACT, TINY_POOL_TOKENS, assert_pool_free
 from furcate import Engine
 from furcate.grammars.spec import ANY_JSON
-from furcate.runtime.wire.finish_reason import FinishReason
 from furcate.runtime.engine.request_state import cut_by
 from furcate.runtime.engine.schema_check import SchemaChecker
+from furcate.runtime.wire.finish_reason import FinishReason
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
           "required": ["name", "age"]}

@@ -14,8 +14,8 @@ from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTo
 import furcate as sgl
 from conftest import EXACT, assert_pool_free, engines_side_by_side
 from furcate import LocalBackend
-from furcate.runtime.wire.messages import ImageSpan
 from furcate.runtime.multimodal.mrope import prompt_positions
+from furcate.runtime.wire.messages import ImageSpan
 from tiny_models import QWEN_MERGE, build_tiny_qwen_vl
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -388,7 +388,8 @@ def test_gguf_quantized_layers_refuse_updates_with_a_clear_error(tmp_path, monke
     from furcate.runtime.model.weights.default_model import find_default_gguf, prepare_user_gguf
     from furcate.runtime.model.weights.loader import load_model
     from furcate.runtime.model.weights.quantize import apply_quantization
-    from furcate.runtime.model.weights.weight_update import TensorSpec, WeightWriter
+    from furcate.runtime.model.weights.weight_update import WeightWriter
+    from furcate.runtime.wire.tensor_specs import TensorSpec
     from tiny_gguf import build_tiny_gguf
 
     monkeypatch.setenv("FURCATE_CACHE", str(tmp_path))

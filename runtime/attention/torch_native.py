@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import paged_attention
+from . import paged_table
 from .base import ForwardBatch, ModelAttention
 from .cascade import MIN_SHARED_TOKENS, attend_with_lse, merge, shared_prefix_len
 
@@ -123,12 +124,12 @@ class TorchNativeAttention:
     def __init__(self, model: ModelAttention | None = None) -> None:
         self.batch: ForwardBatch | None = None
         self.buckets: list[Bucket] = []
-        self.table: paged_attention.PagedTable | None = None
-        self.paged = paged_attention.serves(model)
+        self.table: paged_table.PagedTable | None = None
+        self.paged = paged_table.serves(model)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if self.paged and batch.device.type == "cpu":
-            batch.attn_metadata = paged_attention.paged_table(batch)
+            batch.attn_metadata = paged_table.paged_table(batch)
             return
         starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
         groups = plan_all_buckets(batch)
@@ -139,7 +140,7 @@ class TorchNativeAttention:
         assert batch.attn_metadata is not None, "init_forward_metadata must run before the forward"
         self.batch = batch
         planned = batch.attn_metadata
-        self.table = planned if isinstance(planned, paged_attention.PagedTable) else None
+        self.table = planned if isinstance(planned, paged_table.PagedTable) else None
         self.buckets = [] if self.table is not None else planned
 
     @staticmethod

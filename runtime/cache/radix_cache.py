@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .memory_pool import ReqToTokenPool, TokenToKVPool
 from .base import MatchResult
+from .memory_pool import ReqToTokenPool, TokenToKVPool
 
 EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # KV slot lists are host bookkeeping
 

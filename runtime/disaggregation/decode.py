@@ -8,10 +8,10 @@ from typing import Any
 
 import aiohttp
 
-from ..wire.finish_reason import FinishReason
 from ..scheduler.plugins.base import SchedulerHandle, SchedulerPlugin
 from ..scheduler.prefill_adder import reserved_output
 from ..scheduler.req import EMPTY_SLOTS, Req
+from ..wire.finish_reason import FinishReason
 from .bootstrap import LoopThread, claim_room
 from .layout import KVLayout, kv_buffers
 from .prefill import prompt_digest

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire.finish_reason import FinishReason
 from ..scheduler.plugins.base import SchedulerHandle, SchedulerPlugin
 from ..scheduler.req import Req
+from ..wire.finish_reason import FinishReason
 from .bootstrap import BootstrapServer, Claim, RoomRegistry
 from .layout import KVLayout, kv_buffers, write_list
 from .transfer import TransferError, make_agent

@@ -107,19 +107,3 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], vocab_size: int) -> to
     if module in VOCAB_PARALLEL:
         return torch.cat(shards, dim=0)[:vocab_size]  # the last rank's padding rows cut
     return shards[0]
-
-
-def check_tp_size(config, tp_size: int) -> None:
-    """A clear error before any process starts when the model cannot be split tp_size ways."""
-    sizes = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        "intermediate_size": config.intermediate_size,
-    }
-    # MoE configs: each expert's (and Qwen2-MoE's shared expert's) intermediate size is split too.
-    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
-        if getattr(config, field, None):
-            sizes[field] = getattr(config, field)
-    for field, size in sizes.items():
-        if size % tp_size:
-            raise ValueError(f"tp_size={tp_size} must divide the model's {field} ({size})")

@@ -20,18 +20,16 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from ..config import EngineArgs
-from ..distributed.tp_layers import check_tp_size
-from .rl import EngineRl
-from ..wire.messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
-from ..model.weights.loader import load_config, resolve_model_path
-from ..model.vision import checkpoint_vision_spec
+from ..model.weights.checkpoint import check_tp_size, checkpoint_vision_spec, load_config, resolve_model_path
 from ..multimodal.images import ImageLimits
 from ..multimodal.prompt import ImagePrompts
+from ..speculative.draft_check import prepare_draft_model
+from ..wire.messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
+from .launch import start_scheduler_process, started_one
 from .request_builder import RequestBuilder
 from .request_state import RequestState
-from .launch import start_scheduler_process, started_one
+from .rl import EngineRl
 from .schema_check import SchemaChecker
-from ..speculative.draft_check import prepare_draft_model
 
 STARTUP_TIMEOUT_S = 600
 

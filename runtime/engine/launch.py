@@ -1,4 +1,4 @@
-"""Starting the scheduler's process (process.py), and, when asked, keeping a spare one ready.
+"""Starting the scheduler's process (scheduler/process.py), and, when asked, keeping a spare one ready.
 
 A fresh scheduler spends most of its start importing torch and transformers (~1.5 s of a tiny model's ~2.5 s).
 A caller that starts engine after engine (a test suite, a benchmark, a notebook re-creating its engine) can ask
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 
-from ..scheduler.process import AUTHKEY_ENV, PREIMPORT_FLAG
+from ..wire.process_start import AUTHKEY_ENV, PREIMPORT_FLAG, SCHEDULER_MODULE
 
 
 @dataclass
@@ -79,7 +79,7 @@ def launch(preimport: bool) -> Launched:
     """Start `python -m furcate.runtime.scheduler.process ADDRESS`; a spare imports before it is handed work."""
     authkey = secrets.token_bytes(32)
     listener = Listener(family="AF_UNIX", authkey=authkey)
-    command = [sys.executable, "-m", "furcate.runtime.scheduler.process", listener.address]
+    command = [sys.executable, "-m", SCHEDULER_MODULE, listener.address]
     process = subprocess.Popen(command + ([PREIMPORT_FLAG] if preimport else []),
                                env=dict(os.environ, **{AUTHKEY_ENV: authkey.hex()}))
     launched = Launched(process, _surroundings())

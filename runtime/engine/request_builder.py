@@ -8,10 +8,10 @@ import re
 import uuid
 from typing import Any
 
-from ..wire.messages import Bootstrap, ImageSpan, SchedulerReady, TokenizedGenerateReq
 from ..multimodal.images import per_prompt_images
 from ..multimodal.prompt import ImagePrompts
 from ..sampling.params import SamplingParams
+from ..wire.messages import Bootstrap, ImageSpan, SchedulerReady, TokenizedGenerateReq
 
 # A DNS name, an IPv4 address or an IPv6 address (bare or in brackets): nothing that could bend the URL.
 HOST_PATTERN = re.compile(r"[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:.]+\]?")

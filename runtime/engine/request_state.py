@@ -6,9 +6,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .detokenizer import IncrementalDetokenizer, stream_holdback, trim_stop
 from ..wire.finish_reason import PEER_FAILURE, FinishReason
 from ..wire.messages import PeerServerError, ReqOutput, SpecCounts, TokenizedGenerateReq, vocabulary_ids
+from .detokenizer import IncrementalDetokenizer, stream_holdback, trim_stop
 from .schema_check import SchemaChecker, SchemaVerdict
 
 

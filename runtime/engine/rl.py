@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save as save_blob
 
 from ..wire.messages import ControlResult
-from ..model.weights.weight_update import tensor_specs
+from ..wire.tensor_specs import tensor_specs
 from ..wire.weight_messages import (
     DEFAULT_GROUP,
     DEFAULT_GROUP_TIMEOUT_S,

@@ -13,9 +13,9 @@ import torch
 
 from ..attention.base import ForwardBatch
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from ..wire.messages import ImagePiece
 from ..scheduler.future_tokens import placeholder
 from ..scheduler.req import Req
+from ..wire.messages import ImagePiece
 
 
 @dataclass

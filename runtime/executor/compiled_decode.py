@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import paged_attention
+from ..attention import paged_table
 from ..attention.base import ForwardBatch
 from ..cache.memory_pool import TokenToKVPool
+from ..kernels import paged_attention
 from .cuda_graph_runner import MOE_REASON, one_token_each
 
 logger = logging.getLogger("furcate.compiled_decode")
@@ -42,7 +43,7 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True}
 @dataclass
 class DecodePlan:
     """What a compiled step reads of a decode batch's requests: KV slots padded to the longest (padding at slot 0,
-    never handed out), the kernel's spans (paged_attention.PagedTable) and, where the graph gathers for SDPA
+    never handed out), the kernel's spans (paged_table.PagedTable) and, where the graph gathers for SDPA
     above batch 1, which slots are real."""
 
     kv_index: torch.Tensor  # [B, L]
@@ -59,7 +60,7 @@ def uses_paged_kernel(model, kv_dtype: torch.dtype) -> bool:
 
 def plan_decode(forward: ForwardBatch, paged: bool) -> DecodePlan:
     """Reads the request table: on the scheduler thread (prepare), as the eager backends plan."""
-    planned = paged_attention.paged_table(forward)  # a decode batch: one new token after seq_len - 1 cached
+    planned = paged_table.paged_table(forward)  # a decode batch: one new token after seq_len - 1 cached
     table, spans = planned.kv_index, planned.spans
     if paged or forward.batch_size == 1:
         return DecodePlan(table, spans, None)  # indexing by a tensor copied the rows already

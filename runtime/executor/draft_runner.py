@@ -24,11 +24,11 @@ import torch
 from ..attention.base import ForwardBatch
 from ..config import EngineArgs
 from ..sampling.sampler import adjust_logits
+from ..scheduler.req import Req
 from ..speculative.draft_check import check_vocab
 from ..speculative.drafter import Drafter
 from .batch import ScheduleBatch, to_device
 from .model_runner import ModelRunner
-from ..scheduler.req import Req
 
 logger = logging.getLogger("furcate.scheduler")
 

@@ -23,9 +23,9 @@ import time
 import torch
 from torch import nn
 
-from ..kernels import paged_attention
 from ..cache.memory_pool import TokenToKVPool
 from ..cache_folder import furcate_cache
+from ..kernels import paged_attention
 from ..kernels.native_build import cpu_signature
 
 logger = logging.getLogger("furcate.graph_cache")

@@ -15,28 +15,29 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
-from ..cache import huge_pages
 from ..attention.base import ForwardBatch, ModelAttention
 from ..attention.select import make_attention_backend
+from ..cache import huge_pages
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from .compiled_decode import CompiledDecode, DecodePlan, compilable, compile_graphs, size_classes
 from ..config import EngineArgs
-from .cuda_graph import capture_batch_sizes
-from .cuda_graph_runner import CudaGraphRunner, capturable, supports_cuda_graphs
 from ..distributed.followers import Followers, NoFollowers
 from ..distributed.parallel_state import TensorParallel
 from ..distributed.spawn import Spawned, spawn_followers
-from .graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled, start_background_build
-from .graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
 from ..model.layers import attention_shape
-from ..model.weights.loader import available_memory_bytes, load_config, resolve_dtype
-from ..model.vision import checkpoint_vision_spec, load_vision_encoder
+from ..model.vision import load_vision_encoder
+from ..model.weights.checkpoint import checkpoint_vision_spec, load_config
+from ..model.weights.loader import available_memory_bytes, resolve_dtype
 from ..multimodal.embedder import ImageEmbedder
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
-from .serving_model import load_serving_model
 from .batch import ReqSlice, ScheduleBatch
+from .compiled_decode import CompiledDecode, DecodePlan, compilable, compile_graphs, size_classes
+from .cuda_graph import capture_batch_sizes
+from .cuda_graph_runner import CudaGraphRunner, capturable, supports_cuda_graphs
+from .graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled, start_background_build
+from .graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
 from .rank_control import model_tensors
+from .serving_model import load_serving_model
 
 logger = logging.getLogger("furcate.model_runner")
 

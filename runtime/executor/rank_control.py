@@ -25,15 +25,8 @@ from ..cache import huge_pages
 from ..distributed.followers import FollowerCall, FollowerReply
 from ..distributed.weight_group import destroy_weight_group, init_weight_group, receive_broadcast
 from ..model.packed_linear import repack_linears, unpack_linears
-from ..model.weights.weight_update import (
-    Placement,
-    TensorSpec,
-    WeightWriter,
-    check_values,
-    parse_dtype,
-    spec_of,
-    tensor_specs,
-)
+from ..model.weights.weight_update import Placement, WeightWriter, check_values
+from ..wire.tensor_specs import TensorSpec, parse_dtype, spec_of, tensor_specs
 from ..wire.weight_messages import InitGroup, UpdateFromDistributed
 
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

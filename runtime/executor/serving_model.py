@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .compiled_decode import compilable
 from ..distributed.parallel_state import TensorParallel
-from ..model.weights.loader import load_model
 from ..model.packed_linear import pack_linears, packs
+from ..model.weights.loader import load_model
 from ..model.weights.quantized import QuantizedModel
+from .compiled_decode import compilable
 
 
 def load_serving_model(model_path: str, dtype: torch.dtype, quantization: str, graphs: bool, device: str = "cpu",

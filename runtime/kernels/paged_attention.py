@@ -19,12 +19,10 @@ import ctypes
 import functools
 import logging
 import pathlib
-from dataclasses import dataclass
 
 import torch
 
 from . import native_build
-from ..attention.base import ForwardBatch, ModelAttention
 
 logger = logging.getLogger("furcate.paged_attention")
 
@@ -82,41 +80,17 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
             and head_dim <= MAX_DIM and head_dim % LANES == 0 and available())
 
 
-def serves(model: ModelAttention | None) -> bool:
-    """Whether every layer of this model can attend through the kernel: full causal attention (no sliding
-    window), no soft-capped scores, a shape and dtype it takes."""
-    return (model is not None and model.num_kv_heads is not None and model.windows == frozenset({None})
-            and model.logit_cap is None and supports(model.num_heads, model.num_kv_heads, model.head_dim,
-                                                     model.dtype))
-
-
-@dataclass
-class PagedTable:
-    """A batch's requests as the kernel reads them (planned on the scheduler thread)."""
-
-    kv_index: torch.Tensor  # [B, L] int64: row b's first seq_lens[b] entries are its KV slots
-    spans: torch.Tensor  # [3, B] int64: each request's first row in the packed tokens, new tokens, cached ones
-
-
 def spans(first_rows: torch.Tensor, new_tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
     return torch.stack([first_rows, new_tokens, cached]).to(torch.int64)
-
-
-def paged_table(batch: ForwardBatch) -> PagedTable:
-    """The request table's rows of a batch, up to its longest context (a copy: indexing by a tensor)."""
-    longest = int(batch.seq_lens.max())
-    table = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :longest]
-    first_rows = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
-    return PagedTable(table, spans(first_rows, batch.extend_lens, batch.prefix_lens))
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
               spans: torch.Tensor, scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q [T, H, D], the batch's new tokens packed request after request; k_pool and v_pool [slots, Hkv, D] of q's
-    dtype (float32 or bfloat16), the new tokens' K/V written; kv_index [B, L] int64 and spans [3, B] as PagedTable
-    holds them (a slot outside the pool reads slot 0). Causal: each token sees its request's slots up to its own.
-    Returns [T, H, D] of q's dtype, computed in float32. lib: a build of the kernel (load()), else the
-    engine's."""
+    dtype (float32 or bfloat16), the new tokens' K/V written; kv_index [B, L] int64 and spans [3, B] (spans()) as
+    attention/paged_table.py plans them (a slot outside the pool reads slot 0). Causal: each token sees its
+    request's slots up to its own. Returns [T, H, D] of q's dtype, computed in float32. lib: a build of the kernel
+    (load()), else the engine's."""
     q, kv_index, spans = q.contiguous(), kv_index.contiguous(), spans.contiguous()
     if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in DTYPES:
         raise ValueError(f"paged attention runs float32 or bfloat16, not {q.dtype} queries over a "

@@ -11,7 +11,40 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .moe import MOE_STYLES, MoeStyle
+
+@dataclass(frozen=True)
+class MoeStyle:
+    """What differs between the MoE families: config field names, routing arithmetic and checkpoint names."""
+
+    experts_field: str  # config field: number of routed experts
+    intermediate_field: str  # config field: one expert's intermediate size
+    renormalize: bool | None  # top-k weights rescaled to sum to 1; None: config.norm_topk_prob decides
+    # Qwen and OLMoE cast the top-k weights to the activations' dtype before scaling; Mixtral keeps float32.
+    weights_in_input_dtype: bool = True
+    shared_expert: bool = False  # Qwen2-MoE: a dense expert every token takes, scaled by a sigmoid gate
+    checkpoint_module: str = "mlp"  # the block's name in HF checkpoints (Mixtral: block_sparse_moe)
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    top_k_field: str = "num_experts_per_tok"
+
+    def is_sparse_layer(self, config, layer_id: int) -> bool:
+        """HF's rule: Qwen's `mlp_only_layers` and `decoder_sparse_step` make some layers dense; configs without
+        them (Mixtral, OLMoE) are sparse in every layer."""
+        dense = getattr(config, "mlp_only_layers", None) or []
+        step = getattr(config, "decoder_sparse_step", None) or 1
+        return layer_id not in dense and getattr(config, self.experts_field) > 0 and (layer_id + 1) % step == 0
+
+    def renormalizes(self, config) -> bool:
+        return bool(config.norm_topk_prob) if self.renormalize is None else self.renormalize
+
+
+MOE_STYLES: dict[str, MoeStyle] = {
+    "Qwen3MoeForCausalLM": MoeStyle("num_experts", "moe_intermediate_size", renormalize=None),
+    "Qwen2MoeForCausalLM": MoeStyle("num_experts", "moe_intermediate_size", renormalize=None, shared_expert=True),
+    "OlmoeForCausalLM": MoeStyle("num_experts", "intermediate_size", renormalize=None),
+    "MixtralForCausalLM": MoeStyle(
+        "num_local_experts", "intermediate_size", renormalize=True, weights_in_input_dtype=False,
+        checkpoint_module="block_sparse_moe", expert_names=("w1", "w3", "w2")),
+}
 
 
 @dataclass(frozen=True)

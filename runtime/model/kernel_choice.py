@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache_folder import furcate_cache
-from ..kernels.native_build import cpu_signature
 from ..kernels.block_gemv import SOURCE
+from ..kernels.native_build import cpu_signature
 
 logger = logging.getLogger("furcate.quantize")
 

@@ -20,7 +20,6 @@ import glob
 import importlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,16 +28,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModel
 
 from ..wire.messages import ImageSpan
+from .weights.checkpoint import QWEN_TOWERS, vision_architecture
 
-# Each architecture's vision tower in transformers: (module, class), imported only when a model needs it (the
-# modeling modules cost ~1.5 s to import, paid by every engine start otherwise).
-QWEN_TOWERS = {
-    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
-    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
-}
-# The text model's architecture; None: found by its config's model_type (LLaVA's may be any Llama-like model).
-VISION_ARCHITECTURES: dict[str, str | None] = {"LlavaForConditionalGeneration": None,
-                                               **dict.fromkeys(QWEN_TOWERS, "Qwen2ForCausalLM")}
 # (checkpoint prefix, our prefix) of the vision tensors, newest layout first; every other tensor is the text
 # model's, so these are tried first (`model.visual.*` would pass for a text tensor below).
 VISION_PREFIXES = (("model.vision_tower.", "vision_tower."), ("vision_tower.vision_model.", "vision_tower."),
@@ -48,55 +39,6 @@ VISION_PREFIXES = (("model.vision_tower.", "vision_tower."), ("vision_tower.visi
                    ("model.visual.", "visual."), ("visual.", "visual."))
 TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."), ("model.", "model."))
-
-
-@dataclass(frozen=True)
-class VisionSpec:
-    """What the rest of furcate needs to know of a vision-language model."""
-
-    architecture: str
-    image_token_id: int  # the placeholder token of one image position in the prompt
-    # LLaVA: fixed, (image_size / patch_size)^2 (+1 with the CLS token kept); None: each image's own (Qwen2-VL:
-    # its patch grid over merge_size^2).
-    tokens_per_image: int | None
-    merge_size: int = 1  # Qwen2-VL: patches merged into one token along each side (spatial_merge_size)
-    # Tokens a prompt puts around the placeholder (Qwen2-VL's <|vision_start|> and <|vision_end|>), or none.
-    wrap_token_ids: tuple[int, int] | None = None
-
-
-def vision_architecture(config) -> str | None:
-    return next((a for a in getattr(config, "architectures", None) or [] if a in VISION_ARCHITECTURES), None)
-
-
-def vision_spec(config) -> VisionSpec | None:
-    """The vision facts of a checkpoint's full config (AutoConfig), or None for a text-only model."""
-    architecture = vision_architecture(config)
-    if architecture is None:
-        return None
-    vision = config.vision_config
-    if architecture in QWEN_TOWERS:
-        wrap = (int(config.vision_start_token_id), int(config.vision_end_token_id))
-        return VisionSpec(architecture, int(config.image_token_id), None, int(vision.spatial_merge_size), wrap)
-    patches = (vision.image_size // vision.patch_size) ** 2
-    full = config.vision_feature_select_strategy == "full"
-    return VisionSpec(architecture, int(config.image_token_index), patches + int(full))
-
-
-def checkpoint_vision_spec(model_path: str) -> VisionSpec | None:
-    return vision_spec(AutoConfig.from_pretrained(model_path))
-
-
-def text_config(config):
-    """The config the decoder is built from: a vision-language checkpoint's text model, or the config itself."""
-    architecture = vision_architecture(config)
-    if architecture is None:
-        return config
-    text = config.text_config
-    text_architecture = VISION_ARCHITECTURES[architecture]
-    text.architectures = None if text_architecture is None else [text_architecture]
-    if not hasattr(text, "tie_word_embeddings"):  # Qwen2-VL keeps it on the full config only
-        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-    return text
 
 
 def text_weight_name(name: str, multimodal: bool) -> str | None:

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from transformers import AutoImageProcessor
 
+from ..model.weights.checkpoint import VisionSpec
 from ..wire.messages import ImageSpan
-from ..model.vision import VisionSpec
 from .images import ImageLimits, LoadedImage, load_images
 
 PAD_RANGE = 2**30  # pad ids are vocab_size + (hash mod this): int64-safe, distinct per image in practice

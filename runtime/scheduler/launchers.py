@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..executor.batch import ScheduleBatch
-from .future_tokens import FutureTokens
 from ..executor.model_runner import ModelRunner, SamplingInputs, StepResult
+from .future_tokens import FutureTokens
 from .req import Req
 
 Fold = Callable[[ScheduleBatch, StepResult], None]  # the scheduler's process_result

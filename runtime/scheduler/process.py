@@ -1,4 +1,4 @@
-"""The scheduler's own process, started with `python -m furcate.runtime.scheduler.process ADDRESS` (start.py).
+"""The scheduler's own process, started with `python -m furcate.runtime.scheduler.process ADDRESS` (engine/launch.py).
 
 A fresh interpreter (not multiprocessing's spawn) means user scripts need no `if __name__ == "__main__"` guard:
 nothing of the caller's main module is re-imported here. The engine's listener hands over the arguments through
@@ -14,10 +14,7 @@ import sys
 import traceback
 from multiprocessing.connection import Client, Connection
 
-AUTHKEY_ENV = "FURCATE_SCHEDULER_AUTHKEY"
-# A spare process (start.py) imports what a scheduler needs before its arguments come; a process started for an
-# engine imports after, so that tensor-parallel followers start importing at the same time.
-PREIMPORT_FLAG = "--import-first"
+from ..wire.process_start import AUTHKEY_ENV, PREIMPORT_FLAG
 
 
 def serve(conn: Connection) -> None:

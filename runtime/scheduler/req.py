@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from ..wire.finish_reason import FinishReason
-from ..wire.messages import Bootstrap, ImageSpan, ReqOutput, SpecCounts, TokenizedGenerateReq, vocabulary_ids
 from ..multimodal.mrope import MRopePositions, prompt_positions
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingRow
+from ..wire.finish_reason import FinishReason
+from ..wire.messages import Bootstrap, ImageSpan, ReqOutput, SpecCounts, TokenizedGenerateReq, vocabulary_ids
 
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64, device="cpu")
 

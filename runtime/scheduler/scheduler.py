@@ -19,22 +19,22 @@ from ..cache.chunk_cache import ChunkCache
 from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
 from ..distributed.spawn import Spawned
+from ..executor.batch import ReqSlice, ScheduleBatch, build_batch
+from ..executor.model_runner import ModelRunner, SamplingInputs, StepResult
 from ..wire.finish_reason import FinishReason
 from ..wire.messages import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
-from ..executor.batch import ReqSlice, ScheduleBatch, build_batch
+from .launchers import OverlapLauncher, PlainLauncher
+from .memory import MemoryManager
+from .plugins.base import SchedulerPlugin
 from .plugins.generation_control import GenerationControl
 from .plugins.grammar_queue import GrammarQueue
 from .plugins.jump_forward import forced_tokens
-from .launchers import OverlapLauncher, PlainLauncher
-from .memory import MemoryManager
-from ..executor.model_runner import ModelRunner, SamplingInputs, StepResult
-from .plugins.base import SchedulerPlugin
-from .policy import order_waiting
-from .prefill_adder import PrefillAdder
-from .req import Req
 from .plugins.rpc import SchedulerRpc
 from .plugins.speculation import SpeculativeLauncher, Speculator, step_tokens
 from .plugins.weight_sync import WeightSync
+from .policy import order_waiting
+from .prefill_adder import PrefillAdder
+from .req import Req
 
 logger = logging.getLogger("furcate.scheduler")
 

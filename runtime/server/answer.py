@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import Engine
-from ..tools.reasoning import ReasoningFormat, ReasoningStream
 from ..tools.formats import CallFormat
 from ..tools.protocol import ToolCall, ToolChoice, ToolFunction, new_call_id
 from ..tools.pythonic import parse_pythonic
+from ..tools.reasoning import ReasoningFormat, ReasoningStream
 from .answer_parts import Aborted, PartRequests
 
 CONSTRAINTS = ("json_schema", "regex", "ebnf")

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import Engine
-from ..tools.reasoning import partial_tag
 from ..tools.formats import CallFormat
 from ..tools.protocol import ToolCall
+from ..tools.reasoning import partial_tag
 
 # Free-text fields a constrained part must not carry: a stop string inside JSON would cut it, ignore_eos would
 # run on after the grammar has ended.

@@ -13,11 +13,11 @@ from aiohttp import web
 
 from ..config import ServerArgs
 from ..engine.engine import Engine
-from ..tools.reasoning import ReasoningFormat, reasoning_format
-from ..tools.reasoning import detect as detect_reasoning
 from ..tools.formats import FORMATS, JSON_ARRAY, PARSER_NAMES, PYTHONIC, CallFormat, canonical
 from ..tools.formats import detect as detect_format
 from ..tools.protocol import ToolChoice, ToolFunction, parse_tool_choice, parse_tools
+from ..tools.reasoning import ReasoningFormat, reasoning_format
+from ..tools.reasoning import detect as detect_reasoning
 from . import openai_format as fmt
 from .answer import CONSTRAINTS, Answer, AnswerPlan, Delta
 from .answer_parts import AnswerResult

@@ -11,8 +11,8 @@ import os
 from safetensors import safe_open
 
 from ..config import EngineArgs
+from ..model.weights.checkpoint import load_config, resolve_model_path
 from ..model.weights.default_model import gguf_source
-from ..model.weights.loader import load_config, resolve_model_path
 
 
 def prepare_draft_model(args: EngineArgs, target_path: str) -> EngineArgs:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .finish_reason import FinishReason
 from ..sampling.params import SamplingParams
+from .finish_reason import FinishReason
 
 # A logprob entry as SGLang's native API returns it: (logprob or None, token id, token text or None).
 LogprobTriple = tuple[float | None, int, str | None]

@@ -11,47 +11,11 @@ from transformers import AutoConfig
 
 from ...distributed.parallel_state import SINGLE, TensorParallel
 from ..decoder import DecoderForCausalLM
-from ..families import FAMILIES, MODEL_TYPES, refusal
-from ..vision import text_config, text_weight_name, vision_architecture
+from ..families import FAMILIES
+from ..vision import text_weight_name
+from .checkpoint import architecture_of, load_config, vision_architecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    """"default" (or nothing) means the embedded SmolLM2 model, converted from its GGUF on first use; a path to a
-    .gguf file (llama, qwen2, qwen3, gemma2, gemma3, phi3) is converted the same way."""
-    if model_path in (None, "", "default"):
-        from .default_model import prepare_default_model
-
-        return str(prepare_default_model())
-    if model_path.endswith(".gguf") and os.path.isfile(model_path):
-        from .default_model import prepare_user_gguf
-
-        return str(prepare_user_gguf(model_path))
-    if not os.path.isdir(model_path):
-        raise FileNotFoundError(f"model_path {model_path!r} is not a directory (furcate never downloads models)")
-    return model_path
-
-
-def load_config(model_path: str):
-    """The decoder's config: the model's, or a vision-language model's text model's (vision.py)."""
-    config = text_config(AutoConfig.from_pretrained(model_path))
-    architecture = architecture_of(config)
-    if architecture is None:
-        raise ValueError(f"unsupported architecture {config.architectures or config.model_type!r}; "
-                         f"furcate runs {sorted(FAMILIES)}")
-    why_not = refusal(config)
-    if why_not:
-        raise ValueError(f"{architecture}: {why_not}")
-    return config
-
-
-def architecture_of(config) -> str | None:
-    """The supported architecture a config names; configs without `architectures` fall back on model_type."""
-    for name in getattr(config, "architectures", None) or []:
-        if name in FAMILIES:
-            return name
-    return MODEL_TYPES.get(config.model_type) if not getattr(config, "architectures", None) else None
 
 
 def resolve_dtype(dtype: str, config, device: str = "cpu") -> torch.dtype:

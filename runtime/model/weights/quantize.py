@@ -9,10 +9,10 @@ import pathlib
 from torch import nn
 
 from ..decoder import STACKED, DecoderForCausalLM
+from ..kernel_choice import ROW_LADDER, remembered_rows
 from .default_model import gguf_source
 from .gguf_arch import GGUFArch, GGUFMeta, gguf_arch, open_gguf, rope_row_order
 from .gguf_reader import GGUFTensor
-from ..kernel_choice import ROW_LADDER, remembered_rows
 from .quantized import (
     SUPPORTED_TYPES,
     BlockWeights,

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ...cache.base import PrefixCache
     from ...config import EngineArgs
+    from ...executor.model_runner import ModelRunner
     from ...wire.finish_reason import FinishReason
     from ..memory import MemoryManager
-    from ...executor.model_runner import ModelRunner
     from ..req import Req
 
 

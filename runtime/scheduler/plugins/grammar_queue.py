@@ -13,8 +13,8 @@ from ....grammars.auto import approximation_refused
 from ....grammars.base import allocate_bitmask
 from ....grammars.cache import GrammarCache
 from ...wire.finish_reason import FinishReason
-from .base import SchedulerHandle, SchedulerPlugin
 from ..req import Req
+from .base import SchedulerHandle, SchedulerPlugin
 
 
 class GrammarQueue(SchedulerPlugin):

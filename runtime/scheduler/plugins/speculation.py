@@ -18,15 +18,15 @@ import torch
 from ....grammars.base import allocate_bitmask
 from ... import registry
 from ...config import EngineArgs
-from ...wire.messages import SpecCounts
+from ...executor.batch import ReqSlice, ScheduleBatch
+from ...executor.model_runner import ModelRunner, StepResult
 from ...sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ...speculative.drafter import Drafter
 from ...speculative.verify import Proposal, verify
-from ...executor.batch import ReqSlice, ScheduleBatch
+from ...wire.messages import SpecCounts
 from ..launchers import PlainLauncher
-from ...executor.model_runner import ModelRunner, StepResult
-from .base import SchedulerPlugin
 from ..req import Req
+from .base import SchedulerPlugin
 
 logger = logging.getLogger("furcate.scheduler")
 

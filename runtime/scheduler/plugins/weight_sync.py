@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...distributed.tp_layers import unshard_tensor
+from ...executor.rank_control import RankControl
+from ...model.weights.checkpoint import resolve_model_path
 from ...wire.messages import ControlResult
-from ...model.weights.loader import resolve_model_path
 from ...wire.weight_messages import GetWeights, InitGroup, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor
 from .base import SchedulerPlugin
-from ...executor.rank_control import RankControl
 from .rpc import Handler
 
 if TYPE_CHECKING:

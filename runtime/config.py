@@ -30,7 +30,7 @@ registry.register("disaggregation_mode", "null")  # serving whole requests: no s
 registry.register("disaggregation_mode", "prefill", "furcate.runtime.disaggregation.prefill:PrefillSender")
 registry.register("disaggregation_mode", "decode", "furcate.runtime.disaggregation.decode:DecodeReceiver")
 registry.register("speculative_algorithm", "NGRAM", "furcate.runtime.speculative.ngram:NgramDrafter")
-registry.register("speculative_algorithm", "STANDALONE", "furcate.runtime.executor.draft_runner:StandaloneDrafter")
+registry.register("speculative_algorithm", "STANDALONE", "furcate.runtime.speculative.draft_model:StandaloneDrafter")
 registry.register("disaggregation_transfer_backend", "mooncake",
                   "furcate.runtime.disaggregation.transfer:MooncakeAgent")
 registry.register("disaggregation_transfer_backend", "nixl", "furcate.runtime.disaggregation.nixl_agent:NixlAgent")

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from furcate.runtime.executor.batch import ScheduleBatch
+from furcate.runtime.executor.batch import ScheduleBatch, placeholder
 from furcate.runtime.executor.model_runner import StepResult
-from furcate.runtime.scheduler.future_tokens import FutureTokens, placeholder
+from furcate.runtime.scheduler.future_tokens import FutureTokens
 from furcate.runtime.scheduler.launchers import OverlapLauncher, PlainLauncher
 
 

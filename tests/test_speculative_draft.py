@@ -232,7 +232,7 @@ def test_bad_draft_models_are_refused_at_engine_start(tiny_model_dirs, default_m
 
 def test_a_seq_keeps_what_the_target_accepted():
     """sync_point: the synced tokens, then drafts as far as the request's tokens took them; never the newest."""
-    from furcate.runtime.executor.draft_runner import DraftSeq, StandaloneDrafter
+    from furcate.runtime.speculative.draft_model import DraftSeq, StandaloneDrafter
 
     seq = DraftSeq(req=None, slot=0, tokens=[5, 6, 7, 1, 2, 3], synced=3)  # K/V of prompt 5, 6, 7, drafts 1, 2, 3
     assert StandaloneDrafter.sync_point(seq, [5, 6, 7, 1, 2, 8]) == 5  # 1 and 2 accepted, then 8

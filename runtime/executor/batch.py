@@ -8,19 +8,46 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ..attention.base import ForwardBatch
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from ..scheduler.future_tokens import placeholder
-from ..scheduler.req import Req
-from ..wire.messages import ImagePiece
+from ..wire.messages import ImagePiece, ImageSpan
+
+
+class BatchRequest(Protocol):
+    """What laying out and running a batch reads of a request (the scheduler's Req): its ids, its slot in the
+    request table and how many of its tokens have K/V, its images and positions, and the logprobs it asks for."""
+
+    input_ids: list[int]
+    req_pool_idx: int | None
+    kv_len: int
+    images: list[ImageSpan]
+    return_logprob: bool
+    top_logprobs_num: int
+
+    @property
+    def fill_ids(self) -> list[int]: ...
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+    def input_logprob_rows(self, start: int, length: int) -> range: ...
+
+    def positions(self, start: int, length: int) -> torch.Tensor: ...
+
+
+def placeholder(req: BatchRequest) -> int:
+    """The input id standing for a request's token still being sampled by a launched batch (the overlap loop's
+    token table, scheduler/future_tokens.py, holds it by request slot; negative: never a real id)."""
+    return -(req.req_pool_idx + 1)
 
 
 @dataclass
 class ReqSlice:
-    req: Req
+    req: BatchRequest
     start: int  # first position of fill_ids computed in this forward (== req.kv_len before it)
     length: int
     samples: bool  # the slice reaches the end of fill_ids, so its last row gives the next token
@@ -30,7 +57,7 @@ class ReqSlice:
     draft: list[int] = field(default_factory=list)
 
     @classmethod
-    def next_of(cls, req: Req, max_length: int | None = None, unseen: int = 0) -> ReqSlice:
+    def next_of(cls, req: BatchRequest, max_length: int | None = None, unseen: int = 0) -> ReqSlice:
         """The next slice of a request: the rest of its fill_ids, cut at max_length. `unseen`: its tokens still
         being sampled by a launched batch (overlap loop), laid out as placeholders."""
         remaining = len(req.fill_ids) + unseen - req.kv_len
@@ -53,7 +80,7 @@ class ScheduleBatch:
     logit_ranges: list[range]  # per slice, rows of the packed tokens whose logits are computed
 
     @property
-    def reqs(self) -> list[Req]:
+    def reqs(self) -> list[BatchRequest]:
         return [s.req for s in self.slices]
 
     @property
@@ -113,7 +140,7 @@ def batch_positions(slices: list[ReqSlice]) -> torch.Tensor:
     return torch.cat([part.expand(3, -1) for part in parts], dim=1)
 
 
-def image_pieces(req: Req, start: int, end: int, offset: int) -> list[ImagePiece]:
+def image_pieces(req: BatchRequest, start: int, end: int, offset: int) -> list[ImagePiece]:
     """The parts of req's images among its positions [start, end), packed from row `offset` on."""
     pieces = []
     for image in req.images:

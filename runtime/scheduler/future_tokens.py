@@ -17,15 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # batch.py imports placeholder() from here
-    from ..executor.batch import ScheduleBatch
+from ..executor.batch import ScheduleBatch
+
+if TYPE_CHECKING:
     from ..executor.model_runner import StepResult
     from .req import Req
-
-
-def placeholder(req: Req) -> int:
-    """The input id standing for a request's token still being sampled (negative: never a real id)."""
-    return -(req.req_pool_idx + 1)
 
 
 class FutureTokens:

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ..scheduler.req import Req
+from ..sampling.sampler import SamplingRow
+
+
+class DraftRequest(Protocol):
+    """What a drafter reads of a request (the scheduler's Req): its ids so far, its sampling, and a slot for the
+    drafter's own per-request state."""
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    draft_state: Any
+
+    @property
+    def fill_ids(self) -> list[int]: ...
+
+    def sampling_row(self) -> SamplingRow: ...
 
 
 class Drafter:
@@ -16,11 +30,11 @@ class Drafter:
     # vocabulary) is not drafted for. Drafters that only copy ids (n-gram) draft for it.
     reads_images = False
 
-    def propose(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[DraftRequest], limits: list[int]) -> list[list[int]]:
         """Per request, at most limits[i] tokens guessed to follow its prompt and output ([] when limit is 0)."""
         raise NotImplementedError
 
-    def release(self, req: Req) -> None:
+    def release(self, req: DraftRequest) -> None:
         """The request finished: free what the drafter holds for it."""
 
     def release_rid(self, rid: str) -> None:

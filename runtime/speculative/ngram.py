@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .drafter import Drafter
+from .drafter import Drafter, DraftRequest
 
 if TYPE_CHECKING:
     from ..config import EngineArgs
     from ..executor.model_runner import ModelRunner
-    from ..scheduler.req import Req
 
 
 class NgramIndex:
@@ -66,10 +65,10 @@ class NgramDrafter(Drafter):
         self.min_n = args.speculative_ngram_min_match_window_size
         self.max_n = args.speculative_ngram_max_match_window_size
 
-    def propose(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[DraftRequest], limits: list[int]) -> list[list[int]]:
         return [self.propose_one(req, limit) if limit > 0 else [] for req, limit in zip(reqs, limits)]
 
-    def propose_one(self, req: Req, limit: int) -> list[int]:
+    def propose_one(self, req: DraftRequest, limit: int) -> list[int]:
         if req.draft_state is None:
             req.draft_state = NgramIndex(self.min_n, self.max_n)
         req.draft_state.sync(req.input_ids, req.output_ids)

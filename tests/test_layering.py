@@ -146,8 +146,9 @@ def test_the_kernels_import_nothing_of_the_runtime_but_their_build_helper():
     assert crossings(f"{R}.kernels", R, (f"{R}.kernels.", f"{R}.cache_folder")) == []
 
 
-def test_plugins_reach_the_scheduler_only_through_the_handle():
-    assert crossings(PLUGINS, f"{R}.scheduler", PLUGIN_MAY_IMPORT) == []
+@pytest.mark.parametrize("plugins", [PLUGINS, f"{R}.disaggregation"])
+def test_plugins_reach_the_scheduler_only_through_the_handle(plugins):
+    assert crossings(plugins, f"{R}.scheduler", PLUGIN_MAY_IMPORT) == []
 
 
 def test_the_engine_process_imports_no_model_code():

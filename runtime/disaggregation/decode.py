@@ -8,8 +8,8 @@ from typing import Any
 
 import aiohttp
 
+from ..scheduler.memory import reserved_output
 from ..scheduler.plugins.base import SchedulerHandle, SchedulerPlugin
-from ..scheduler.prefill_adder import reserved_output
 from ..scheduler.req import EMPTY_SLOTS, Req
 from ..wire.finish_reason import FinishReason
 from .bootstrap import LoopThread, claim_room

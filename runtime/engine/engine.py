@@ -24,6 +24,7 @@ from ..model.weights.checkpoint import check_tp_size, checkpoint_vision_spec, lo
 from ..multimodal.images import ImageLimits
 from ..multimodal.prompt import ImagePrompts
 from ..speculative.draft_check import prepare_draft_model
+from ..wire.control_calls import CheckIntegrity, FlushCache, GetStats, Shutdown
 from ..wire.messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
 from .launch import start_scheduler_process, started_one
 from .request_builder import RequestBuilder
@@ -195,7 +196,7 @@ class Engine(EngineRl):
     def get_stats(self) -> dict[str, Any]:
         """Scheduler counters (forward time, KV pool occupancy, running and waiting requests) and this side's
         structured-output checks (schema_checked, schema_violations, schema_incomplete, schema_unchecked)."""
-        return {**self._rpc("get_stats"), **self.schema_checker.stats()}
+        return {**self._rpc(GetStats()), **self.schema_checker.stats()}
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; False (nothing done) while running requests hold parts of it."""
@@ -203,11 +204,11 @@ class Engine(EngineRl):
 
     def flush_cache_result(self) -> tuple[bool, str]:
         """flush_cache with the reason when it was refused."""
-        return self._control("flush_cache")
+        return self._control(FlushCache())
 
     def check_integrity(self) -> bool:
         """Verify the scheduler's KV bookkeeping (every slot free, cached or owned by one request)."""
-        return self._rpc("check_integrity")
+        return self._rpc(CheckIntegrity())
 
     def shutdown(self) -> None:
         if self._closed:
@@ -215,7 +216,7 @@ class Engine(EngineRl):
         self._closed = True
         if self._process.poll() is None and self._dead is None:
             try:
-                self._rpc("shutdown", timeout=30)
+                self._rpc(Shutdown(), timeout=30)
                 self._process.wait(timeout=10)
             except (RuntimeError, OSError, TimeoutError, subprocess.TimeoutExpired):
                 self._process.kill()
@@ -347,14 +348,15 @@ class Engine(EngineRl):
             if not state.finished:
                 self._abandon(state)
 
-    def _rpc(self, method: str, timeout: float = 60, payload: Any = None) -> Any:
+    def _rpc(self, call: Any, timeout: float = 60) -> Any:
+        """A control call (wire/control_calls.py, wire/weight_messages.py) answered by the scheduler."""
         if self._dead is not None:
             raise RuntimeError(f"engine cannot serve: {self._dead}")
         future: Future = Future()
         call_id = next(self._call_ids)
         with self._lock:
             self._rpc_waiters[call_id] = future
-        self._send(RpcReq(method, call_id, payload))
+        self._send(RpcReq(call, call_id))
         return future.result(timeout=timeout)
 
     def _send(self, message: Any) -> None:

@@ -15,6 +15,15 @@ from typing import Any
 import torch
 from safetensors.torch import save as save_blob
 
+from ..wire.control_calls import (
+    AbortAll,
+    ContinueGeneration,
+    DestroyGroup,
+    GetWeightVersion,
+    PauseGeneration,
+    ReleaseMemory,
+    ResumeMemory,
+)
 from ..wire.messages import ControlResult
 from ..wire.tensor_specs import tensor_specs
 from ..wire.weight_messages import (
@@ -92,10 +101,10 @@ def _load_format(load_format: Any) -> None:
 
 
 class EngineRl:
-    """Mixed into Engine: needs its _rpc(method, timeout, payload)."""
+    """Mixed into Engine: needs its _rpc(call, timeout)."""
 
-    def _control(self, method: str, payload: Any = None, timeout: float = 600) -> tuple[bool, str]:
-        result: ControlResult = self._rpc(method, timeout=timeout, payload=payload)
+    def _control(self, call: Any, timeout: float = 600) -> tuple[bool, str]:
+        result: ControlResult = self._rpc(call, timeout=timeout)
         return result.success, result.message
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
@@ -119,8 +128,7 @@ class EngineRl:
                                          suffix=".safetensors") as spool:
             spool.write(blob)
             spool.flush()
-            return self._control("update_weights_from_tensor", UpdateFromTensor(spool.name, flush, version),
-                                 UPDATE_TIMEOUT_S)
+            return self._control(UpdateFromTensor(spool.name, flush, version), UPDATE_TIMEOUT_S)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  weight_version: str | None = None) -> tuple[bool, str]:
@@ -128,7 +136,7 @@ class EngineRl:
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format {load_format!r} is not supported (null, 'auto' or 'safetensors')")
         call = UpdateFromDisk(check_text("model_path", model_path), _version(weight_version))
-        return self._control("update_weights_from_disk", call, UPDATE_TIMEOUT_S)
+        return self._control(call, UPDATE_TIMEOUT_S)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = DEFAULT_GROUP, backend: str = "gloo",
@@ -136,10 +144,10 @@ class EngineRl:
         """Join the trainer's group (the trainer is rank 0; this engine's ranks are rank_offset onwards). Fails,
         and the engine serves on, if the trainer has not joined within `timeout` seconds."""
         call = init_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
-        return self._control("init_weights_update_group", call, call.timeout_s + 60)
+        return self._control(call, call.timeout_s + 60)
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> tuple[bool, str]:
-        return self._control("destroy_weights_update_group", check_text("group_name", group_name))
+        return self._control(DestroyGroup(check_text("group_name", group_name)))
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[Any], shapes: list[Any],
                                         group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
@@ -152,34 +160,34 @@ class EngineRl:
                                                                   for s in shapes],
                                      check_text("group_name", group_name), check_flag("flush_cache", flush_cache),
                                      _version(weight_version))
-        return self._control("update_weights_from_distributed", call, UPDATE_TIMEOUT_S)
+        return self._control(call, UPDATE_TIMEOUT_S)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first truncate_size rows of a tensor (HF name), as float lists."""
         call = GetWeights(check_text("name", name), check_int("truncate_size", truncate_size, 1, MAX_TRUNCATE))
-        return self._rpc("get_weights_by_name", payload=call)
+        return self._rpc(call)
 
     def get_weight_version(self) -> str:
-        return self._rpc("get_weight_version")
+        return self._rpc(GetWeightVersion())
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
         """Give back the weights' and/or the K/V cache's memory; returns once it is given back."""
-        return self._control("release_memory_occupation", memory_tags(tags), UPDATE_TIMEOUT_S)
+        return self._control(ReleaseMemory(memory_tags(tags)), UPDATE_TIMEOUT_S)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
-        return self._control("resume_memory_occupation", memory_tags(tags), UPDATE_TIMEOUT_S)
+        return self._control(ResumeMemory(memory_tags(tags)), UPDATE_TIMEOUT_S)
 
     def pause_generation(self, mode: str = "abort") -> tuple[bool, str]:
         """abort: every request ends now with its partial output; retract: running requests requeue, their K/V
         freed; in_place: they stay as they are. Nothing runs until continue_generation()."""
-        return self._control("pause_generation", check_choice("mode", mode, PAUSE_MODES))
+        return self._control(PauseGeneration(check_choice("mode", mode, PAUSE_MODES)))
 
     def continue_generation(self) -> tuple[bool, str]:
-        return self._control("continue_generation")
+        return self._control(ContinueGeneration())
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """SGLang's form of abort(): one request (and those derived from it), or with abort_all every one."""
         if check_flag("abort_all", abort_all):
-            self._control("abort_all")
+            self._control(AbortAll())
             return
         self.abort(check_text("rid", rid))

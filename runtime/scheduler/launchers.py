@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,6 +53,24 @@ class PlainLauncher:
 
     def close(self) -> None:
         """Nothing to stop."""
+
+
+class VerifyingLauncher(PlainLauncher):
+    """The plain loop's launcher under speculative decoding: a batch with drafts runs `verify` (the speculator's
+    verify step, scheduler/plugins/speculation.py) instead of plain sampling."""
+
+    def __init__(self, verify: Callable[[ScheduleBatch], StepResult], *args: Any) -> None:
+        super().__init__(*args)
+        self.verify = verify
+
+    def submit(self, batch: ScheduleBatch | None) -> None:
+        if batch is None or not any(piece.draft for piece in batch.slices):
+            super().submit(batch)
+            return
+        self.runner.prepare(batch)
+        with self.runner.on_forward_stream():
+            result = self.verify(batch)
+        self.fold(batch, result)
 
 
 @dataclass

@@ -16,6 +16,12 @@ logger = logging.getLogger("furcate.scheduler")
 
 # After a retraction, reserve as if every running request will decode this many more tokens.
 RETRACT_DECODE_STEPS = 20
+# Output tokens reserved per request are capped, so one huge max_new_tokens cannot block admission forever.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+def reserved_output(req: Req, ratio: float) -> int:
+    return int(min(req.remaining_output, CLIP_MAX_NEW_TOKENS) * ratio)
 
 
 class MemoryManager:

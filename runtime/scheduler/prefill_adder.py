@@ -5,17 +5,12 @@ from __future__ import annotations
 from ..cache.base import PrefixCache
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from ..executor.batch import ReqSlice
+from .memory import reserved_output
 from .req import Req
 
-# Output tokens reserved per request are capped, so one huge max_new_tokens cannot block admission forever.
-CLIP_MAX_NEW_TOKENS = 4096
 # A waiting request sharing this many not-yet-cached tokens with one admitted this round waits a round,
 # so it hits the cache the admitted one fills instead of computing the same prefix twice.
 IN_BATCH_PREFIX_THRESHOLD = 32
-
-
-def reserved_output(req: Req, ratio: float) -> int:
-    return int(min(req.remaining_output, CLIP_MAX_NEW_TOKENS) * ratio)
 
 
 class PrefillAdder:

@@ -21,26 +21,29 @@ from ..config import EngineArgs
 from ..distributed.spawn import Spawned
 from ..executor.batch import ReqSlice, ScheduleBatch, build_batch
 from ..executor.model_runner import ModelRunner, SamplingInputs, StepResult
+from ..wire.control_calls import Shutdown
 from ..wire.finish_reason import FinishReason
 from ..wire.messages import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
-from .launchers import OverlapLauncher, PlainLauncher
+from .launchers import OverlapLauncher, PlainLauncher, VerifyingLauncher
 from .memory import MemoryManager
 from .plugins.base import SchedulerPlugin
 from .plugins.generation_control import GenerationControl
 from .plugins.grammar_queue import GrammarQueue
 from .plugins.jump_forward import forced_tokens
 from .plugins.rpc import SchedulerRpc
-from .plugins.speculation import SpeculativeLauncher, Speculator, step_tokens
+from .plugins.speculation import Speculator, step_tokens
 from .plugins.weight_sync import WeightSync
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
 from .req import Req
+from .stats import scheduler_handlers
 
 logger = logging.getLogger("furcate.scheduler")
 
 
 class Scheduler:
-    """Owns the request queues and the loop; plug-ins (plugins.py) hold requests outside its queues."""
+    """Owns the request queues and the loop; plug-ins (plugins/) hold requests outside its queues and reach it
+    through the handle it is to them (plugins/base.py SchedulerHandle)."""
 
     def __init__(self, args: EngineArgs, model_path: str, tokenizer_path: str, conn: Connection,
                  followers: Spawned | None = None) -> None:
@@ -57,23 +60,29 @@ class Scheduler:
         self.running: list[Req] = []
         self.grammars = GrammarQueue(self, self._grammar_cache(tokenizer_path), args.grammar_compile_timeout)
         # A disaggregation side first: a prefill server cuts every request to its first token before it queues.
-        self.speculator = Speculator(args, self.runner) if args.speculative_algorithm else None
-        self.control = GenerationControl(self)
+        speculator = Speculator(args, self.runner) if args.speculative_algorithm else None
         self.weights = WeightSync(self)
         self.plugins: list[SchedulerPlugin] = [*disaggregation_side(self), self.grammars,
-                                               *([self.speculator] if self.speculator else []), self.control,
+                                               *([speculator] if speculator else []), GenerationControl(self),
                                                self.weights]
-        self.rpc = SchedulerRpc(self)
+        self.rpc = SchedulerRpc(scheduler_handlers(self) | {
+            kind: handler for plugin in self.plugins for kind, handler in plugin.rpc_handlers().items()})
         self.chunked_req: Req | None = None
         self.last_batch_prefilled = False
         self.rng = random.Random(args.random_seed)
-        launcher = PlainLauncher if args.disable_overlap_schedule else OverlapLauncher
-        self.launcher = (SpeculativeLauncher(self.speculator, self.runner, self.process_result, self.sampling_inputs)
-                         if self.speculator else launcher(self.runner, self.process_result, self.sampling_inputs))
+        self.launcher = self._launcher(speculator)
         self.outputs: list[Any] = []
         self.cached_tokens_total = 0
         self.jumped_tokens = 0
         self.prompt_tokens_total = 0
+
+    def _launcher(self, speculator: Speculator | None) -> PlainLauncher:
+        """Where batches run: the overlap loop's launcher, the plain one, or under speculative decoding the plain
+        one that verifies drafts (the overlap loop carries one token in flight per request, a verify step several)."""
+        parts = (self.runner, self.process_result, self.sampling_inputs)
+        if speculator is not None:
+            return VerifyingLauncher(speculator.run, *parts)
+        return (PlainLauncher if self.args.disable_overlap_schedule else OverlapLauncher)(*parts)
 
     def _grammar_cache(self, tokenizer_path: str) -> GrammarCache | None:
         """The grammar backend builds on the cache's pool while the engine already serves, from a tokenizer of its
@@ -105,7 +114,7 @@ class Scheduler:
     @property
     def held(self) -> bool:
         """Nothing may be scheduled: generation is paused, or the weights or K/V memory are released."""
-        return self.control.paused or self.weights.blocks_forwards
+        return any(plugin.blocks_forwards for plugin in self.plugins)
 
     @property
     def idle(self) -> bool:
@@ -139,7 +148,7 @@ class Scheduler:
         # Requests waiting only on a plug-in (a grammar, a KV transfer) must not block the loop: poll until they settle.
         polling = self.plugins_pending or bool(self.rpc.deferred)
         for message in receive(self.conn, block=block, timeout=0.002 if polling else None):
-            if isinstance(message, RpcReq) and message.method == "shutdown":
+            if isinstance(message, RpcReq) and isinstance(message.call, Shutdown):
                 self.conn.send([RpcOut(message.call_id, True)])
                 return False
             self.handle(message)
@@ -221,8 +230,10 @@ class Scheduler:
         if not slices or self.args.enable_mixed_chunk:
             self.memory.make_decode_room(self.running, self.retract)
             decoding = [ReqSlice.next_of(req, unseen=self.launcher.unseen(req)) for req in self.running]
-            if self.speculator is not None and not slices:  # drafts ride in pure decode batches only
-                self.speculator.draft(decoding, self.draft_room(decoding))
+            if not slices:  # drafts ride in pure decode batches only
+                room = self.draft_room(decoding)
+                for plugin in self.plugins:
+                    plugin.shape_decode(decoding, room)
             slices += decoding
         if not slices:
             return None
@@ -282,6 +293,28 @@ class Scheduler:
         self.memory.release(req)
         self.waiting.insert(0, req)
 
+    # -- the handle's verbs (plugins/base.py SchedulerHandle) ----------------------------------------------------
+
+    def drain(self) -> None:
+        self.launcher.drain()
+
+    def live_requests(self) -> list[Req]:
+        return [req for req in self.waiting + self.running + [self.chunked_req] if req is not None]
+
+    def kv_holders(self) -> int:
+        return len(self.running) + (self.chunked_req is not None)
+
+    def held_requests(self) -> list[Req]:
+        return [req for plugin in self.plugins for req in plugin.holding()]
+
+    def retract_all(self) -> None:
+        for req in list(self.running):
+            self.retract(req)
+        if self.chunked_req is not None:  # a prompt half prefilled: it restarts from what the cache keeps
+            req, self.chunked_req = self.chunked_req, None
+            self.memory.release(req)
+            self.waiting.insert(0, req)
+
     # -- results --------------------------------------------------------------------------------------------
 
     def process_result(self, batch: ScheduleBatch, result: StepResult) -> None:
@@ -324,8 +357,8 @@ class Scheduler:
             taken += 1
             if req.finished:
                 break
-        if self.speculator is not None:
-            self.speculator.settle(req, piece, len(tokens), taken)
+        for plugin in self.plugins:
+            plugin.tokens_taken(req, piece, len(tokens), taken)
 
     def take_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         req.append_token(token, self.decode_tail, self.runner.context_length)

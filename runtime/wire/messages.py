@@ -86,12 +86,11 @@ class AbortReq:
 
 @dataclass
 class RpcReq:
-    """A control call answered with one RpcOut: `get_stats`, `flush_cache`, `shutdown`, the RL calls
-    (scheduler/weight_sync.py); payload: the call's typed arguments, if it takes any."""
+    """A control call answered with one RpcOut: `call` is one of control_calls.py's or weight_messages.py's types,
+    which says what is asked and carries its typed arguments."""
 
-    method: str
+    call: Any
     call_id: int
-    payload: Any = None
 
 
 @dataclass(frozen=True)

@@ -10,22 +10,20 @@ paused nothing is scheduled; new requests queue. A flush never fails because abo
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ...wire.control_calls import AbortAll, ContinueGeneration, FlushCache, PauseGeneration
 from ...wire.finish_reason import FinishReason
 from ...wire.messages import ControlResult
 from ...wire.weight_messages import PAUSE_MODES, check_choice
-from .base import SchedulerPlugin
+from .base import SchedulerHandle, SchedulerPlugin
 from .rpc import NOT_YET, Deferred, Handler
-
-if TYPE_CHECKING:
-    from ..scheduler import Scheduler
 
 FLUSH_WAIT_S = 30.0
 
 
 class GenerationControl(SchedulerPlugin):
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SchedulerHandle) -> None:
         self.scheduler = scheduler
         self.paused_mode: str | None = None
 
@@ -33,44 +31,39 @@ class GenerationControl(SchedulerPlugin):
     def paused(self) -> bool:
         return self.paused_mode is not None
 
-    def rpc_methods(self) -> dict[str, Handler]:
-        return {"pause_generation": self.pause, "continue_generation": self.resume, "flush_cache": self.flush,
-                "abort_all": lambda _: ControlResult(True, f"aborted {self.abort_all()} request(s)")}
+    @property
+    def blocks_forwards(self) -> bool:
+        return self.paused
 
-    def pause(self, mode: Any) -> ControlResult:
-        mode = check_choice("mode", mode, PAUSE_MODES)
+    def rpc_handlers(self) -> dict[type, Handler]:
+        return {PauseGeneration: self.pause, ContinueGeneration: self.resume, FlushCache: self.flush,
+                AbortAll: lambda _: ControlResult(True, f"aborted {self.abort_all()} request(s)")}
+
+    def pause(self, call: PauseGeneration) -> ControlResult:
+        mode = check_choice("mode", call.mode, PAUSE_MODES)
         s = self.scheduler
-        s.launcher.drain()  # the overlap loop's batch in flight lands first: its tokens belong to the outputs
-        affected = len(s.running) + (s.chunked_req is not None)
+        s.drain()  # the overlap loop's batch in flight lands first: its tokens belong to the outputs
+        affected = s.kv_holders()
         if mode == "abort":
             affected = self.abort_all("generation paused (abort): resubmit prompt and output to continue")
         elif mode == "retract":
-            self.retract_all()
+            s.retract_all()
         self.paused_mode = mode
         return ControlResult(True, f"generation paused ({mode}): {affected} request(s) affected")
 
-    def resume(self, _: None = None) -> ControlResult:
+    def resume(self, _: ContinueGeneration) -> ControlResult:
         was, self.paused_mode = self.paused_mode, None
         return ControlResult(True, "generation continues" if was else "generation was not paused")
 
     def abort_all(self, why: str = "aborted by request") -> int:
         s = self.scheduler
-        rids = {req.rid for req in s.waiting + s.running + [s.chunked_req] if req is not None}
-        rids |= {req.rid for plugin in s.plugins for req in plugin.holding() if not req.finished}
+        rids = {req.rid for req in s.live_requests()}
+        rids |= {req.rid for req in s.held_requests() if not req.finished}
         for rid in rids:
             s.abort(rid, FinishReason.abort(why))
         return len(rids)
 
-    def retract_all(self) -> None:
-        s = self.scheduler
-        for req in list(s.running):
-            s.retract(req)
-        if s.chunked_req is not None:  # a prompt half prefilled: it restarts from what the cache keeps
-            req, s.chunked_req = s.chunked_req, None
-            s.memory.release(req)
-            s.waiting.insert(0, req)
-
-    def flush(self, _: None = None) -> ControlResult | Deferred:
+    def flush(self, _: FlushCache) -> ControlResult | Deferred:
         blocked = self.flush_blocked()
         if blocked is None:
             return self._flushed()
@@ -91,12 +84,12 @@ class GenerationControl(SchedulerPlugin):
     def flush_blocked(self) -> str | None:
         """Why a flush cannot run now: None, it can; "" only aborted requests still settle (wait for them)."""
         s = self.scheduler
-        live = len(s.running) + (s.chunked_req is not None)
+        live = s.kv_holders()
         if live:
             how = ("they were paused in place; pause with mode 'retract' or 'abort' to flush"
                    if self.paused_mode == "in_place" else "pause generation first, or wait for them")
             return f"{live} running request(s) hold K/V in it ({how})"
-        held = [req for plugin in s.plugins for req in plugin.holding()]
+        held = s.held_requests()
         if any(not req.finished for req in held):
             return f"{len(held)} request(s) are transferring K/V"
         return "" if held else None

@@ -24,7 +24,6 @@ from ...sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ...speculative.drafter import Drafter
 from ...speculative.verify import Proposal, verify
 from ...wire.messages import SpecCounts
-from ..launchers import PlainLauncher
 from ..req import Req
 from .base import SchedulerPlugin
 
@@ -79,7 +78,7 @@ class Speculator(SchedulerPlugin):
 
     # -- drafting -------------------------------------------------------------------------------------------
 
-    def draft(self, slices: list[ReqSlice], room: int) -> None:
+    def shape_decode(self, slices: list[ReqSlice], room: int) -> None:
         """Give decode slices drafts, taking only the KV room `room` the scheduler leaves them: drafts never make it
         retract a request. The room is shared out in batch order, then the drafter proposes for all at once."""
         limits = []
@@ -163,7 +162,7 @@ class Speculator(SchedulerPlugin):
 
     # -- folding in -----------------------------------------------------------------------------------------
 
-    def settle(self, req: Req, piece: ReqSlice, emitted: int, taken: int) -> None:
+    def tokens_taken(self, req: Req, piece: ReqSlice, emitted: int, taken: int) -> None:
         """After the scheduler took `taken` of the `emitted` tokens (a stop cuts the rest): free the KV of every
         draft that did not become the request's token, so neither its table nor the prefix cache holds it."""
         counts = req.spec_counts = req.spec_counts or SpecCounts()
@@ -181,24 +180,6 @@ class Speculator(SchedulerPlugin):
             table = self.runner.req_pool.req_to_token
             self.runner.kv_pool.free(table[req.req_pool_idx, keep : req.kv_len].clone())
             req.kv_len = keep
-
-
-class SpeculativeLauncher(PlainLauncher):
-    """The plain loop's launcher; a batch with drafts runs the speculator's verify step instead of plain
-    sampling."""
-
-    def __init__(self, speculator: Speculator, *args: Any) -> None:
-        super().__init__(*args)
-        self.speculator = speculator
-
-    def submit(self, batch: ScheduleBatch | None) -> None:
-        if batch is None or not any(piece.draft for piece in batch.slices):
-            super().submit(batch)
-            return
-        self.runner.prepare(batch)
-        with self.runner.on_forward_stream():
-            result = self.speculator.run(batch)
-        self.fold(batch, result)
 
 
 def in_vocabulary(tokens: list[int], vocab_size: int) -> list[int]:

@@ -13,26 +13,24 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ...distributed.tp_layers import unshard_tensor
 from ...executor.rank_control import RankControl
 from ...model.weights.checkpoint import resolve_model_path
+from ...wire.control_calls import DestroyGroup, GetWeightVersion, ReleaseMemory, ResumeMemory
 from ...wire.messages import ControlResult
 from ...wire.weight_messages import GetWeights, InitGroup, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor
-from .base import SchedulerPlugin
+from .base import SchedulerHandle, SchedulerPlugin
 from .rpc import Handler
-
-if TYPE_CHECKING:
-    from ..scheduler import Scheduler
 
 logger = logging.getLogger("furcate.scheduler")
 
 
 class WeightSync(SchedulerPlugin):
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SchedulerHandle) -> None:
         self.scheduler = scheduler
         self.runner = scheduler.runner
         self.control = RankControl(self.runner)
@@ -44,17 +42,17 @@ class WeightSync(SchedulerPlugin):
         """Weights or K/V memory are released: nothing may run until they are resumed."""
         return bool(self.released)
 
-    def rpc_methods(self) -> dict[str, Handler]:
+    def rpc_handlers(self) -> dict[type, Handler]:
         return {
-            "update_weights_from_tensor": self.update_from_tensor,
-            "update_weights_from_disk": self.update_from_disk,
-            "init_weights_update_group": self.init_group,
-            "destroy_weights_update_group": self.destroy_group,
-            "update_weights_from_distributed": self.update_from_distributed,
-            "get_weights_by_name": self.get_weights,
-            "get_weight_version": lambda _: self.version,
-            "release_memory_occupation": self.release,
-            "resume_memory_occupation": self.resume,
+            UpdateFromTensor: self.update_from_tensor,
+            UpdateFromDisk: self.update_from_disk,
+            InitGroup: self.init_group,
+            DestroyGroup: self.destroy_group,
+            UpdateFromDistributed: self.update_from_distributed,
+            GetWeights: self.get_weights,
+            GetWeightVersion: lambda _: self.version,
+            ReleaseMemory: self.release,
+            ResumeMemory: self.resume,
         }
 
     # -- updates ------------------------------------------------------------------------------------------
@@ -82,7 +80,7 @@ class WeightSync(SchedulerPlugin):
             self.on_every_rank_quietly("discard")
             logger.warning("weight update from %s refused: %s", source, error)
             return ControlResult(False, f"weights not updated (the old ones serve on): {error}")
-        self.scheduler.launcher.drain()  # no forward of the old weights is in flight while they change
+        self.scheduler.drain()  # no forward of the old weights is in flight while they change
         self.on_every_rank("commit")
         held = self.scheduler.cache.retire()
         if version is not None:
@@ -124,7 +122,8 @@ class WeightSync(SchedulerPlugin):
         return self._answer(lambda: self.on_every_rank("join_group", call),
                             f"joined weight update group {call.group_name!r}", "could not join the group")
 
-    def destroy_group(self, group_name: Any) -> ControlResult:
+    def destroy_group(self, call: DestroyGroup) -> ControlResult:
+        group_name = call.group_name
         if not isinstance(group_name, str) or group_name not in self.control.groups:
             return ControlResult(False, f"no weight update group {group_name!r}")
         return self._answer(lambda: self.on_every_rank("leave_group", group_name),
@@ -147,14 +146,14 @@ class WeightSync(SchedulerPlugin):
 
     # -- memory -------------------------------------------------------------------------------------------
 
-    def release(self, tags: tuple[str, ...]) -> ControlResult:
-        tags = tuple(tag for tag in tags if tag not in self.released and tag != "cuda_graph")
+    def release(self, call: ReleaseMemory) -> ControlResult:
+        tags = tuple(tag for tag in call.tags if tag not in self.released and tag != "cuda_graph")
         s = self.scheduler
-        holders = len(s.running) + (s.chunked_req is not None) + sum(len(p.holding()) for p in s.plugins)
+        holders = s.kv_holders() + len(s.held_requests())
         if holders:
             return ControlResult(False, f"memory not released: {holders} request(s) hold K/V; "
                                         "pause_generation(mode='abort' or 'retract') first")
-        s.launcher.drain()
+        s.drain()
         if "kv_cache" in tags:
             s.cache.flush()
             self.on_every_rank("release_kv")
@@ -165,8 +164,8 @@ class WeightSync(SchedulerPlugin):
         return ControlResult(True, f"released {list(tags) or 'nothing new'}" +
                              (f"; weights spilled to {self.released['weights']}" if "weights" in tags else ""))
 
-    def resume(self, tags: tuple[str, ...]) -> ControlResult:
-        done = []
+    def resume(self, call: ResumeMemory) -> ControlResult:
+        tags, done = call.tags, []
         if "kv_cache" in tags and "kv_cache" in self.released:
             self.on_every_rank("resume_kv")
             del self.released["kv_cache"]

@@ -16,8 +16,9 @@ import pathlib
 import re
 import subprocess
 import tempfile
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..cache_folder import furcate_cache
 
@@ -42,12 +43,24 @@ def cpu_signature() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
+def included_files(source: pathlib.Path) -> list[pathlib.Path]:
+    """source and the files beside it that it includes (#include "name"), and those that they include, each once:
+    what a build compiles."""
+    found: list[pathlib.Path] = []
+    pending = [source]
+    while pending:
+        path = pending.pop(0)
+        if path in found:
+            continue
+        found.append(path)
+        names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), flags=re.MULTILINE)
+        pending.extend(path.parent / name for name in names)
+    return found
+
+
 def source_texts(source: pathlib.Path) -> list[str]:
-    """source's text and those of the files beside it that it includes (#include "name"), which a build also
-    compiles."""
-    text = source.read_text()
-    included = re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.MULTILINE)
-    return [text, *((source.parent / name).read_text() for name in included)]
+    """The texts of what a build of source compiles (included_files)."""
+    return [path.read_text() for path in included_files(source)]
 
 
 def library_path(source: pathlib.Path, compiler: str, flags: tuple[str, ...]) -> pathlib.Path:
@@ -65,6 +78,34 @@ def build(source: pathlib.Path, compiler: str, flags: tuple[str, ...], target: p
         subprocess.run([compiler, *flags, str(source), *libraries, "-o", str(built)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(built, target)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One C entry point of a kernel: its name, its arguments' ctypes types and its return type (None: void)."""
+
+    name: str
+    argtypes: tuple[Any, ...] = ()
+    restype: Any = None
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A kernel's C face, declared once in its Python face: its entry points; its limits (the values of the C
+    sources' #defines of those names); the texts of the statuses its entry points return; and the ctypes
+    Structures standing for the C structs (typedef names) its entry points take."""
+
+    entries: tuple[Entry, ...]
+    limits: Mapping[str, int] = field(default_factory=dict)
+    errors: Mapping[int, str] = field(default_factory=dict)
+    structs: Mapping[str, type[ctypes.Structure]] = field(default_factory=dict)
+
+    def bind(self, lib: ctypes.CDLL) -> ctypes.CDLL:
+        """lib with each entry point's argtypes and restype set from the table."""
+        for entry in self.entries:
+            function = getattr(lib, entry.name)
+            function.argtypes, function.restype = list(entry.argtypes), entry.restype
+        return lib
 
 
 def load(source: pathlib.Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:

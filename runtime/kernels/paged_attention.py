@@ -28,24 +28,36 @@ logger = logging.getLogger("furcate.paged_attention")
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention.c"
 OP_SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention_op.cpp"
-# paged_attention.c's limits: query heads per KV head, head dimension (a multiple of LANES)
-MAX_GROUP, MAX_DIM, LANES = 16, 256, 16
 DTYPES = (torch.float32, torch.bfloat16)
-ERRORS = {-1: "shapes beyond the kernel's limits", -2: "a request's tokens run past its slot table",
-          -3: "out of memory"}
+
+
+class Args(ctypes.Structure):
+    """paged_attention.h's PagedAttentionArgs, field for field: the batch's tensors and shapes."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p),
+                ("pool_slots", ctypes.c_int64), ("slots", ctypes.c_void_p), ("table_len", ctypes.c_int64),
+                ("spans", ctypes.c_void_p), ("batch", ctypes.c_int), ("heads", ctypes.c_int),
+                ("kv_heads", ctypes.c_int), ("dim", ctypes.c_int), ("scale", ctypes.c_float),
+                ("out", ctypes.c_void_p), ("threads", ctypes.c_int), ("bf16", ctypes.c_int)]
+
+
+# paged_attention.h's face: its entry points, its limits (query heads per KV head; head dimension, a multiple of
+# LANES) and what its statuses mean (paged_attention_op.cpp says the same).
+BINDING = native_build.Binding(
+    entries=(native_build.Entry("paged_attention", (ctypes.POINTER(Args),), ctypes.c_int),
+             native_build.Entry("paged_attention_bf16_products", (), ctypes.c_int)),
+    limits={"MAX_GROUP": 16, "MAX_DIM": 256, "LANES": 16},
+    errors={-1: "shapes beyond the kernel's limits", -2: "a request's tokens run past its slot table",
+            -3: "out of memory"},
+    structs={"PagedAttentionArgs": Args})
+MAX_GROUP, MAX_DIM, LANES = (BINDING.limits[name] for name in ("MAX_GROUP", "MAX_DIM", "LANES"))
+ERRORS = BINDING.errors
 
 
 def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The kernel built with native_build's flags and extra_flags (say -mno-avx512bf16 for the float path on every
     pool), building it if needed."""
-    lib = native_build.load(SOURCE, extra_flags)
-    lib.paged_attention.restype = ctypes.c_int
-    lib.paged_attention.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-        ctypes.c_int, ctypes.c_int]
-    lib.paged_attention_bf16_products.restype = ctypes.c_int
-    return lib
+    return BINDING.bind(native_build.load(SOURCE, extra_flags))
 
 
 @functools.cache
@@ -97,10 +109,10 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_in
                          f"{k_pool.dtype}/{v_pool.dtype} pool")
     tokens, heads, dim = q.shape
     out = torch.empty_like(q)
-    status = (lib or library()).paged_attention(
-        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], kv_index.data_ptr(),
-        kv_index.shape[1], spans.data_ptr(), spans.shape[1], heads, k_pool.shape[1], dim, scale, out.data_ptr(),
-        torch.get_num_threads(), q.dtype == torch.bfloat16)
+    args = Args(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], kv_index.data_ptr(),
+                kv_index.shape[1], spans.data_ptr(), spans.shape[1], heads, k_pool.shape[1], dim, scale,
+                out.data_ptr(), torch.get_num_threads(), q.dtype == torch.bfloat16)
+    status = (lib or library()).paged_attention(ctypes.byref(args))
     if status:
         raise ValueError(f"paged attention: {ERRORS[status]} (up to {MAX_GROUP} query heads per KV head and "
                          f"head_dim {MAX_DIM}, a multiple of {LANES}; here {heads}/{k_pool.shape[1]} heads of "

@@ -30,15 +30,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define BLOCK 64      /* keys scored before their values are read */
-#define MAX_GROUP 16  /* query heads per KV head */
-#define MAX_ROWS 48   /* query rows (tokens x query heads) a work item holds */
-#define MAX_TILE 16   /* tokens a prefill tile holds */
-#define MAX_DIM 256   /* head dimension, a multiple of LANES */
-#define LANES 16      /* floats in a vector: one AVX512 register, two AVX2 ones (the compiler splits it) */
-#define QT_STRIDE (MAX_ROWS + 16) /* a tile's transposed queries: an element of each row, room for spare lanes */
-
+#include "paged_attention.h"
 #include "paged_attention_vec.h"
+#include "paged_attention_block.h"
 
 /* Row r's scores against the block's first `count` keys (rounded up to 16; the keys past count are zeros), its
  * query in registers: 16 keys' dot products at a time, their lanes summed at once. */
@@ -58,12 +52,6 @@ static inline __attribute__((always_inline)) void row_scores(const vf *query, in
         memcpy(&scores[first], &sums, sizeof sums);
     }
 }
-
-/* Where row r's weight for key j (or pair of keys j) lies in a block's weights: r * row + j * key (row by row for
- * the rows' own scores, key by key for a tile's). */
-typedef struct {
-    int row, key;
-} Strides;
 
 /* Each row's acc += the weighted sum of the block's values (row r's weights[r]: zero past the keys it sees), the
  * rows in sets whose accumulators fit in 16 vector registers, so that a value row is read once a set, and the set's
@@ -92,35 +80,6 @@ static inline __attribute__((always_inline)) void rows_values(vf (*acc)[MAX_DIM 
     }
 }
 
-/* Rows' scores (weights[r], the first visible[r] of them) become softmax weights against each row's running
- * maximum, zero past the keys the row sees, up to BLOCK; its running sum and accumulator are rescaled where the
- * maximum rose. A row that sees none of the block's keys keeps its state. */
-static inline void softmax_rows(float (*weights)[BLOCK], const int *visible, int rows, vf (*acc)[MAX_DIM / LANES],
-                                int chunks, float *running_max, float *running_sum) {
-    for (int r = 0; r < rows; r++) {
-        float *w = weights[r];
-        int vectors = (visible[r] + LANES - 1) / LANES;
-        for (int j = visible[r]; j < vectors * LANES; j++) w[j] = -3.0e38f; /* exp gives 0 */
-        if (vectors) {
-            vf most = load_f32(w);
-            for (int j = 1; j < vectors; j++) most = vmax(most, load_f32(&w[j * LANES]));
-            float block_max = hmax(most);
-            float new_max = block_max > running_max[r] ? block_max : running_max[r];
-            float rescale = exp_nonpositive((vf){} + (running_max[r] - new_max))[0];
-            vf block_sum = {};
-            for (int j = 0; j < vectors * LANES; j += LANES) {
-                vf e = exp_nonpositive(load_f32(&w[j]) - new_max);
-                memcpy(&w[j], &e, sizeof e);
-                block_sum += e;
-            }
-            running_sum[r] = running_sum[r] * rescale + hsum(block_sum);
-            running_max[r] = new_max;
-            for (int c = 0; c < chunks; c++) acc[r][c] *= rescale;
-        }
-        for (int j = vectors * LANES; j < BLOCK; j++) w[j] = 0.0f;
-    }
-}
-
 /* A tile's rows (those of requests with several new tokens, tiled()) scored 16 at a time: lane i of scores[j][v] is
  * row 16v + i's score against key j, from the rows' scaled queries transposed (dimension d of row r at
  * qt[d * QT_STRIDE + r]) and each key's number broadcast. Row by row, each score is a dot product whose lanes are
@@ -136,68 +95,6 @@ static inline __attribute__((always_inline)) void tile_scores(const uint32_t *qt
             }
             for (int j = 0; j < 16; j++) scores[first + j][v] = sum[j];
         }
-}
-
-/* softmax_rows across lanes, 16 rows at once: their maxima and sums by vector, the weights stored key by key (row
- * r's weight for key j at weights[j * QT_STRIDE + r]). A row that sees none of the block's keys keeps its state (its
- * rescale is exp(0), exactly 1). */
-static inline void tile_softmax(vf (*scores)[MAX_ROWS / 16], const int *visible, int rows, int count,
-                                vf (*acc)[MAX_DIM / LANES], int chunks, float *running_max, float *running_sum,
-                                float *weights) {
-    const vf none = (vf){} - 3.0e38f;
-    for (int v = 0; v < (rows + 15) / 16; v++) {
-        int lanes = rows - 16 * v < 16 ? rows - 16 * v : 16;
-        vi seen = {};
-        vf old_max = none, old_sum = {}, most = none, sum = {};
-        for (int r = 0; r < lanes; r++) {
-            seen[r] = visible[16 * v + r];
-            old_max[r] = running_max[16 * v + r];
-            old_sum[r] = running_sum[16 * v + r];
-        }
-        for (int j = 0; j < count; j++) most = vmax(most, pick(seen > j, scores[j][v], none));
-        vf new_max = vmax(old_max, most), rescale = exp_nonpositive(old_max - new_max);
-        for (int j = 0; j < count; j++) { /* a key the row does not see weighs 0, whatever its maximum */
-            vf e = pick(seen > j, exp_nonpositive(scores[j][v] - new_max), (vf){});
-            memcpy(weights + j * QT_STRIDE + 16 * v, &e, sizeof e);
-            sum += e;
-        }
-        vf total = old_sum * rescale + sum;
-        for (int r = 0; r < lanes; r++) {
-            running_sum[16 * v + r] = total[r];
-            running_max[16 * v + r] = new_max[r];
-            for (int c = 0; c < chunks; c++) acc[16 * v + r][c] *= rescale[r];
-        }
-    }
-}
-
-/* How many of the block's keys (from position first_pos) each row sees: row r, of token r / group, up to position
- * last_pos[r / group]. */
-static inline void rows_visible(int *visible, int rows, int group, int count, int64_t first_pos,
-                                const int64_t *last_pos) {
-    for (int r = 0; r < rows; r++) {
-        int64_t seen = last_pos[r / group] - first_pos + 1;
-        visible[r] = seen < 0 ? 0 : seen < count ? (int)seen : count;
-    }
-}
-
-/* The next block's slots (count of them; 0 at an item's last block), whose rows a block asks for while it reads its
- * own: a request's decoded tokens lie a batch's worth of slots apart, where the hardware prefetcher does not follow.
- * A few rows at a time, between the block's own loads and products: asked for all at once, at the block's start, the
- * next block came no sooner; spread, bfloat16 decode at batch 32 ran ~10% faster and float32 ~4%. */
-typedef struct {
-    const int64_t *slots;
-    int count;
-} Ahead;
-
-/* Ask for head h's K and V rows of the next block's j-th slot. */
-static inline void prefetch_ahead(Ahead ahead, int j, const void *k_pool, const void *v_pool, int64_t pool_slots,
-                                  int kv_heads, int h, int row_bytes) {
-    if (j >= ahead.count) return;
-    int64_t at = (checked(ahead.slots[j], pool_slots) * kv_heads + h) * row_bytes;
-    for (int line = 0; line < row_bytes; line += 64) {
-        __builtin_prefetch((const char *)k_pool + at + line);
-        __builtin_prefetch((const char *)v_pool + at + line);
-    }
 }
 
 /* One KV head's query rows (tokens x group; row r = token r / group) over a block of `count` keys at slots, the
@@ -378,7 +275,6 @@ static void attend_item(const Batch *x, Item it, const int *order) {
         }
 }
 
-/* Whether bfloat16 pools take paged_attention_bf16.h's path in this build (where the head dimension allows). */
 int paged_attention_bf16_products(void) {
 #ifdef DOT_BF16
     return 1;
@@ -387,23 +283,21 @@ int paged_attention_bf16_products(void) {
 #endif
 }
 
-/* q and out [tokens, heads, dim] (float32, or bfloat16 where bf16, as the pools are); spans [3, batch]: request b's new tokens are rows spans[0][b] ..
- * spans[0][b] + spans[1][b] - 1 of q, after spans[2][b] cached ones; k_pool and v_pool [pool_slots, kv_heads,
- * dim]; slots [batch, table_len]: row b holds request b's KV slots in position order, its new tokens' own included
- * (written before this runs). Returns 0; -1 for shapes beyond this file's limits, -2 for spans past the
- * table, -3 when out of memory (nothing is computed then). */
-int paged_attention(const void *q, const void *k_pool, const void *v_pool, int64_t pool_slots,
-                    const int64_t *slots, int64_t table_len, const int64_t *spans, int batch, int heads,
-                    int kv_heads, int dim, float scale, void *out, int threads, int bf16) {
+/* The batch paged_attention.h describes (its args); its statuses there. */
+int paged_attention(const PagedAttentionArgs *args) {
+    int batch = args->batch, heads = args->heads, kv_heads = args->kv_heads, dim = args->dim;
+    int threads = args->threads, bf16 = args->bf16;
     if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || dim > MAX_DIM || dim <= 0
         || dim % LANES)
         return -1;
-    Batch x = {q, k_pool, v_pool, slots, spans, spans + batch, spans + 2 * (int64_t)batch, table_len, pool_slots,
-               heads, kv_heads, heads / kv_heads, dim / LANES, bf16, dot_bf16(bf16, dim / LANES), scale, out};
+    const int64_t *spans = args->spans;
+    Batch x = {args->q, args->k_pool, args->v_pool, args->slots, spans, spans + batch, spans + 2 * (int64_t)batch,
+               args->table_len, args->pool_slots, heads, kv_heads, heads / kv_heads, dim / LANES, bf16,
+               dot_bf16(bf16, dim / LANES), args->scale, args->out};
     if (batch <= 0) return 0;
     int64_t most = 0;
     for (int b = 0; b < batch; b++) {
-        if (x.q_counts[b] < 1 || x.prefix_lens[b] < 0 || x.prefix_lens[b] + x.q_counts[b] > table_len) return -2;
+        if (x.q_counts[b] < 1 || x.prefix_lens[b] < 0 || x.prefix_lens[b] + x.q_counts[b] > x.table_len) return -2;
         most += x.q_counts[b]; /* a unit has a token at least */
     }
     Item *units = malloc((size_t)most * sizeof(Item)), *items = malloc((size_t)most * kv_heads * sizeof(Item));
@@ -411,7 +305,9 @@ int paged_attention(const void *q, const void *k_pool, const void *v_pool, int64
     int count = -1;
     if (units && items && order && sort_requests(&x, batch, order) == 0)
         count = plan_items(&x, units, plan_units(&x, batch, order, units), threads, order, items);
+#ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#endif
     for (int i = 0; i < count; i++) attend_item(&x, items[i], order);
     free(units), free(items), free(order);
     return count < 0 ? -3 : 0;

@@ -1,5 +1,5 @@
-/* paged_attention.c's block of keys for bfloat16 pools on CPUs with AVX512-BF16 (included there once, after its
- * shared helpers; the build's key hashes this file with it).
+/* paged_attention.c's block of keys for bfloat16 pools on CPUs with AVX512-BF16 (included there where the build
+ * targets AVX512-BF16 and AVX512BW; the build's key hashes this file with it).
  *
  * The float path widens every key and value to float32 and multiplies in float32. Here both products run on the
  * pool's own bfloat16 numbers with vdpbf16ps (pairs of bfloat16 products summed into float32):
@@ -12,11 +12,20 @@
  *   accumulators' lanes hold the head dimension in unpack order (unpermute() restores it once, at the end).
  * The results are the float path's up to the order of float32 sums, for less work a key: no key is widened, and
  * only the values are copied, interleaved. */
+#ifndef FURCATE_PAGED_ATTENTION_BF16_H
+#define FURCATE_PAGED_ATTENTION_BF16_H
+
 #include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "paged_attention.h"
+#include "paged_attention_block.h"
+#include "paged_attention_vec.h"
 
 #define DOT_BF16 1
 
-static const uint16_t ZERO_ROW[MAX_DIM] __attribute__((aligned(64)));
+static const uint16_t ZERO_ROW[MAX_DIM] __attribute__((aligned(64))) = {0};
 
 /* Row r's scores against 16 keys at a time, its bfloat16 query in registers (halves: 32-wide parts of a row). */
 static inline __attribute__((always_inline)) void row_scores_dot(const __m512i *query, int halves, int visible,
@@ -159,6 +168,14 @@ static inline void tile_pairs(const float *weights, int rows, int count, uint32_
         }
 }
 
+/* GCC (12, at -O3) takes visible and the tile's weights for uninitialized where they reach the softmax and
+ * tile_pairs by pointer: rows_visible and tile_softmax write every element those read, which it cannot follow
+ * through the inlined loops. Zeroing the weights first would cost a 16 KiB store a block. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 /* attend_block_sized for a bfloat16 pool: the same rows, keys and softmax; query[r] holds row r's bfloat16 query
  * (unscaled) in its first halves vectors, and where qt is given (a tile's rows) the same pairs transposed, pair p of
  * row r at qt[p * QT_STRIDE + r]. */
@@ -197,6 +214,10 @@ static inline __attribute__((always_inline)) void attend_block_dot_sized(
     rows_values_dot(acc, rows, chunks, visible, pairs, high, low, (Strides){BLOCK / 2, 1});
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 /* An accumulator row in the head dimension's order again: each 32-wide part's two vectors from unpack order. */
 static inline void unpermute(vf *row, int chunks) {
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -207,3 +228,5 @@ static inline void unpermute(vf *row, int chunks) {
         row[c + 1] = (vf)_mm512_permutex2var_ps(low, second, high);
     }
 }
+
+#endif

@@ -1,5 +1,6 @@
 // furcate::paged_attention's CPU kernel in C++: the arguments paged_attention.py's attention() passes, without
-// the trip into Python a compiled decode step would otherwise make for each layer (~15 us a call).
+// the trip into Python a compiled decode step would otherwise make for each layer (~15 us a call). The status texts
+// are paged_attention.py's ERRORS (tests/test_native_sources.py checks that they agree).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -8,9 +9,7 @@
 
 #include <cstdint>
 
-extern "C" int paged_attention(const void* q, const void* k_pool, const void* v_pool, int64_t pool_slots,
-                               const int64_t* slots, int64_t table_len, const int64_t* spans, int batch, int heads,
-                               int kv_heads, int dim, float scale, void* out, int threads, int bf16);
+#include "paged_attention.h"
 
 namespace {
 
@@ -37,13 +36,26 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_pool, const at:
                     "and spans [3, B]");
   auto q = q_in.contiguous(), kv_index = kv_index_in.contiguous(), spans = spans_in.contiguous();
   auto out = at::empty_like(q);
-  int heads = q.size(1), kv_heads = k_pool.size(1), dim = q.size(2);
-  int status = paged_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.size(0),
-                               kv_index.data_ptr<int64_t>(), kv_index.size(1), spans.data_ptr<int64_t>(),
-                               spans.size(1), heads, kv_heads, dim, static_cast<float>(scale), out.data_ptr(),
-                               at::get_num_threads(), dtype == at::kBFloat16);
-  TORCH_CHECK_VALUE(status == 0, "paged attention: ", reason(status), " (up to 16 query heads per KV head and "
-                    "head_dim 256, a multiple of 16; here ", heads, "/", kv_heads, " heads of ", dim, ")");
+  PagedAttentionArgs args{};
+  args.q = q.data_ptr();
+  args.k_pool = k_pool.data_ptr();
+  args.v_pool = v_pool.data_ptr();
+  args.pool_slots = k_pool.size(0);
+  args.slots = kv_index.data_ptr<int64_t>();
+  args.table_len = kv_index.size(1);
+  args.spans = spans.data_ptr<int64_t>();
+  args.batch = static_cast<int>(spans.size(1));
+  args.heads = static_cast<int>(q.size(1));
+  args.kv_heads = static_cast<int>(k_pool.size(1));
+  args.dim = static_cast<int>(q.size(2));
+  args.scale = static_cast<float>(scale);
+  args.out = out.data_ptr();
+  args.threads = at::get_num_threads();
+  args.bf16 = dtype == at::kBFloat16;
+  int status = paged_attention(&args);
+  TORCH_CHECK_VALUE(status == 0, "paged attention: ", reason(status), " (up to ", MAX_GROUP, " query heads per KV "
+                    "head and head_dim ", MAX_DIM, ", a multiple of ", LANES, "; here ", args.heads, "/",
+                    args.kv_heads, " heads of ", args.dim, ")");
   return out;
 }
 

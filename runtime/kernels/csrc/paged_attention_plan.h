@@ -1,7 +1,13 @@
-/* paged_attention.c's work items and how a batch is cut into them (included there once, after its constants; the
- * build's key hashes this file with it): each request's new tokens in tiles, except that requests sharing a cached
- * prefix of at least BLOCK slots are found (sorted by their first slot, so that they lie side by side) and made
- * items together where their rows fit. */
+/* paged_attention.c's work items and how a batch is cut into them (the build's key hashes this file with it): each
+ * request's new tokens in tiles, except that requests sharing a cached prefix of at least BLOCK slots are found
+ * (sorted by their first slot, so that they lie side by side) and made items together where their rows fit. */
+#ifndef FURCATE_PAGED_ATTENTION_PLAN_H
+#define FURCATE_PAGED_ATTENTION_PLAN_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "paged_attention.h"
 
 /* What one work item covers, KV heads h0 .. h0+n-1 of either
  * - one request's new tokens from its token `first` on, `tokens` of them (members 1, shared 0), or
@@ -111,3 +117,5 @@ static int plan_items(const Batch *x, const Item *units, int count, int threads,
     }
     return written;
 }
+
+#endif

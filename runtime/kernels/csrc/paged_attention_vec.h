@@ -1,6 +1,13 @@
-/* paged_attention.c's vectors of LANES floats (GCC's vector extensions: one AVX512 register, two AVX2 ones)
- * and the helpers both its paths use: lane sums and maxima, exp for the softmax, rows read and written as
- * float32 or bfloat16. Included once, by paged_attention.c, after its limits. */
+/* paged_attention.c's vectors of LANES floats (GCC's vector extensions, which clang shares: one AVX512 register, two
+ * AVX2 ones) and the helpers both its paths use: lane sums and maxima, exp for the softmax, rows read and written as
+ * float32 or bfloat16. */
+#ifndef FURCATE_PAGED_ATTENTION_VEC_H
+#define FURCATE_PAGED_ATTENTION_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "paged_attention.h"
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
@@ -11,46 +18,61 @@ static inline vf load_f32(const float *p) {
     return v;
 }
 
-/* A vector's lanes summed (or their maximum taken) in four halving steps, not sixteen dependent ones. */
-static const vi HALVES[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-                             {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
-                             {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
-                             {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+/* Lanes of a and b (lanes 16-31 are b's) picked by constant indices: GCC's __builtin_shuffle takes them as a
+ * vector, clang's __builtin_shufflevector as arguments (clang has no __builtin_shuffle). The same lanes either way,
+ * so the same sums. */
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+/* A vector's lanes summed (or their maximum taken) in four halving steps, not sixteen dependent ones: each step
+ * swaps halves of 8, 4, 2 and 1 lanes. */
+#define SWAP8 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
+#define SWAP4 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11
+#define SWAP2 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13
+#define SWAP1 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14
 
 static inline float hsum(vf v) {
-    for (int i = 0; i < 4; i++) v += __builtin_shuffle(v, HALVES[i]);
+    v += SHUFFLE(v, v, SWAP8);
+    v += SHUFFLE(v, v, SWAP4);
+    v += SHUFFLE(v, v, SWAP2);
+    v += SHUFFLE(v, v, SWAP1);
     return v[0];
 }
 
 static inline vf vmax(vf a, vf b) { return (vf)(((vi)a & (a > b)) | ((vi)b & ~(a > b))); }
 
 static inline float hmax(vf v) {
-    for (int i = 0; i < 4; i++) v = vmax(v, __builtin_shuffle(v, HALVES[i]));
+    v = vmax(v, SHUFFLE(v, v, SWAP8));
+    v = vmax(v, SHUFFLE(v, v, SWAP4));
+    v = vmax(v, SHUFFLE(v, v, SWAP2));
+    v = vmax(v, SHUFFLE(v, v, SWAP1));
     return v[0];
 }
 
 /* The lane sums of 16 vectors as one vector (lane j: the sum of v[j]), in 15 shuffle-add steps where 16 separate
  * sums would take ~16 dependent adds each: every round adds the low and high halves of each key's lanes, two
  * vectors at a time, so keys keep their order while their lanes halve (16, 8, 4, 2, 1). */
+#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO4 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define HI4 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define LO2 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define HI2 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define LO1 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define HI1 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+
 static inline vf sums16(vf v[16]) {
-    static const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    static const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    static const vi lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    static const vi hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    static const vi lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    static const vi hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    static const vi lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    static const vi hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     vf eight[8], four[4], two[2];
     for (int i = 0; i < 8; i++)
-        eight[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo8) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi8);
+        eight[i] = SHUFFLE(v[2 * i], v[2 * i + 1], LO8) + SHUFFLE(v[2 * i], v[2 * i + 1], HI8);
     for (int i = 0; i < 4; i++)
-        four[i] = __builtin_shuffle(eight[2 * i], eight[2 * i + 1], lo4)
-                  + __builtin_shuffle(eight[2 * i], eight[2 * i + 1], hi4);
+        four[i] = SHUFFLE(eight[2 * i], eight[2 * i + 1], LO4) + SHUFFLE(eight[2 * i], eight[2 * i + 1], HI4);
     for (int i = 0; i < 2; i++)
-        two[i] = __builtin_shuffle(four[2 * i], four[2 * i + 1], lo2)
-                 + __builtin_shuffle(four[2 * i], four[2 * i + 1], hi2);
-    return __builtin_shuffle(two[0], two[1], lo1) + __builtin_shuffle(two[0], two[1], hi1);
+        two[i] = SHUFFLE(four[2 * i], four[2 * i + 1], LO2) + SHUFFLE(four[2 * i], four[2 * i + 1], HI2);
+    return SHUFFLE(two[0], two[1], LO1) + SHUFFLE(two[0], two[1], HI1);
 }
 
 /* exp(x) for x <= 0 (scores minus the running maximum), LANES at once: x = n ln2 + r with |r| <= ln2 / 2,
@@ -114,3 +136,5 @@ static inline void store_row(void *base, int64_t row, int chunks, const vf *in, 
 static inline int64_t checked(int64_t slot, int64_t pool_slots) {
     return slot >= 0 && slot < pool_slots ? slot : 0; /* a bad slot reads the reserved slot 0, never past */
 }
+
+#endif

@@ -1,4 +1,5 @@
-"""Constrained decoding: a small backend protocol with xgrammar and outlines-core behind it."""
+"""Constrained decoding: a small backend protocol with xgrammar, llguidance and outlines-core behind it, chosen by
+name in registry.py (grammar_backend="auto" picks among them per spec)."""
 
 from .spec import ANY_JSON, GrammarSpec
 

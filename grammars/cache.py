@@ -10,31 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .base import CompiledGrammar, GrammarBackend, GrammarSpec
-
-
-def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 compile_timeout_s: float) -> GrammarBackend | None:
-    """The backend chosen by engine argument `grammar_backend`; None for "none"."""
-    if name == "none":
-        return None
-    if name == "auto":
-        from .auto import BACKENDS, AutoBackend
-
-        return AutoBackend({backend: make_backend(backend, tokenizer, vocab_size, stop_token_ids, compile_timeout_s)
-                            for backend in BACKENDS})
-    if name == "xgrammar":
-        from .xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
-    if name == "llguidance":
-        from .llguidance_backend import LLGuidanceBackend
-
-        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids)
-    if name == "outlines":
-        from .outlines_backend import OutlinesBackend
-
-        return OutlinesBackend(tokenizer, stop_token_ids, compile_timeout_s)
-    raise ValueError(f"unknown grammar_backend {name!r}")
+from .registry import make_backend as make_backend  # re-exported: the engine, tests and benchmarks import it here
 
 
 class GrammarCache:

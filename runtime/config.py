@@ -8,8 +8,14 @@ import inspect
 import os
 from dataclasses import dataclass
 
+from ..grammars.registry import BACKENDS as GRAMMAR_BACKENDS
 from . import registry
 from .attention.select import resolve_attention_backend
+from .disaggregation.registry import MODE as DISAGGREGATION_MODE
+from .disaggregation.registry import NULL as NO_DISAGGREGATION
+from .disaggregation.registry import TRANSFER_BACKEND as DISAGGREGATION_TRANSFER_BACKEND
+from .speculative.registry import KIND as SPECULATIVE_ALGORITHM
+from .speculative.registry import STANDALONE
 from .tools.formats import PARSER_NAMES
 from .tools.reasoning import FORMATS as REASONING_FORMATS
 
@@ -18,24 +24,18 @@ MAX_TP_SIZE = 8
 # Speculative decoding's bounds: a verify forward computes 1 + speculative_num_draft_tokens rows per request.
 MAX_DRAFT_TOKENS = 64
 MAX_NGRAM_WINDOW = 64
-# Named choices, each kind under the field that picks from it (attention backends register in attention/select.py).
+# Named choices, each kind under the field that picks from it. Pluggable parts register beside their implementations:
+# attention backends in attention/select.py, speculative algorithms in speculative/registry.py, disaggregation sides
+# and transfer backends in disaggregation/registry.py; grammar backends are listed in grammars/registry.py.
 registry.register_names("dtype", ("auto", "float32", "bfloat16", "float16"))
 registry.register_names("quantization", ("auto", "none", "gguf"))
 registry.register_names("schedule_policy", ("lpm", "dfs-weight", "fcfs", "lof", "random"))
-registry.register_names("grammar_backend", ("auto", "xgrammar", "llguidance", "outlines", "none"))
+registry.register_names("grammar_backend", GRAMMAR_BACKENDS)
 registry.register_names("router_policy", ("cache_aware", "round_robin", "power_of_two", "random"))
 registry.register_names("tool_call_parser", PARSER_NAMES)
 registry.register_names("reasoning_parser", (*REASONING_FORMATS, "none"))
-registry.register("disaggregation_mode", "null")  # serving whole requests: no scheduler plug-in
-registry.register("disaggregation_mode", "prefill", "furcate.runtime.disaggregation.prefill:PrefillSender")
-registry.register("disaggregation_mode", "decode", "furcate.runtime.disaggregation.decode:DecodeReceiver")
-registry.register("speculative_algorithm", "NGRAM", "furcate.runtime.speculative.ngram:NgramDrafter")
-registry.register("speculative_algorithm", "STANDALONE", "furcate.runtime.speculative.draft_model:StandaloneDrafter")
-registry.register("disaggregation_transfer_backend", "mooncake",
-                  "furcate.runtime.disaggregation.transfer:MooncakeAgent")
-registry.register("disaggregation_transfer_backend", "nixl", "furcate.runtime.disaggregation.nixl_agent:NixlAgent")
-ENGINE_CHOICE_FIELDS = ("dtype", "quantization", "schedule_policy", "grammar_backend", "disaggregation_mode",
-                        "disaggregation_transfer_backend")
+ENGINE_CHOICE_FIELDS = ("dtype", "quantization", "schedule_policy", "grammar_backend", DISAGGREGATION_MODE,
+                        DISAGGREGATION_TRANSFER_BACKEND)
 PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path")
 
 
@@ -137,7 +137,7 @@ class EngineArgs:
     log_level: str = "warning"
     # Prefill/decode disaggregation behind sglang-router's --pd-disaggregation: a prefill server computes prompts
     # and sends their K/V and first token to the decode server that continues the request; null serves whole.
-    disaggregation_mode: str = "null"
+    disaggregation_mode: str = NO_DISAGGREGATION
     # The engine that moves K/V between the two: mooncake (Mooncake's TransferEngine over TCP) or nixl.
     disaggregation_transfer_backend: str = "mooncake"
     # Prefill servers: the port of the bootstrap service where decode servers claim requests' K/V.
@@ -221,7 +221,7 @@ class EngineArgs:
         if not 1 <= self.disaggregation_bootstrap_port <= 65535:
             raise ValueError(f"disaggregation_bootstrap_port must be in [1, 65535], got "
                              f"{self.disaggregation_bootstrap_port}")
-        if self.disaggregation_mode != "null" and self.tp_size > 1:
+        if self.disaggregation_mode != NO_DISAGGREGATION and self.tp_size > 1:
             raise ValueError("disaggregation_mode prefill/decode does not support tp_size > 1 yet: the KV transfer "
                              "moves one process's KV pool")
         if not 0 < self.disaggregation_timeout < float("inf"):
@@ -230,7 +230,7 @@ class EngineArgs:
 
     def _validate_speculative(self) -> None:
         if self.speculative_algorithm is not None:
-            registry.check("speculative_algorithm", self.speculative_algorithm)
+            registry.check(SPECULATIVE_ALGORITHM, self.speculative_algorithm)
             if not self.disable_overlap_schedule:
                 # The overlap loop's token table holds one token in flight per request; a verify step yields several.
                 raise ValueError("speculative_algorithm runs on the plain loop only; set disable_overlap_schedule=True")
@@ -250,7 +250,7 @@ class EngineArgs:
     def _validate_draft_model(self) -> None:
         """The STANDALONE fields (the draft model itself is checked before it loads: speculative/draft_check.py)."""
         path = self.speculative_draft_model_path
-        standalone = self.speculative_algorithm == "STANDALONE"
+        standalone = self.speculative_algorithm == STANDALONE
         if standalone and (not isinstance(path, str) or not path):
             raise ValueError("speculative_algorithm='STANDALONE' needs speculative_draft_model_path (an HF model "
                              f"directory or a GGUF file), got {path!r}")

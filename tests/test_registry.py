@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from furcate.grammars import auto as grammar_auto
+from furcate.grammars import registry as grammar_registry
 from furcate.runtime import registry
 from furcate.runtime.attention import select
 from furcate.runtime.attention.torch_native import TorchNativeAttention
 from furcate.runtime.config import EngineArgs, ServerArgs, add_dataclass_args
+from furcate.runtime.disaggregation import registry as disaggregation_registry
+from furcate.runtime.speculative import registry as speculative_registry
 
+ROOT = Path(__file__).resolve().parents[1]
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
@@ -142,3 +150,38 @@ def test_auto_on_cuda_without_flashinfer_picks_triton(machine):
     assert select.resolve_attention_backend("auto", "cuda") == "triton"
     assert isinstance(select.make_attention_backend("auto", "cuda"), TritonAttention)
     assert isinstance(select.make_attention_backend("triton", "cuda:0"), TritonAttention)
+
+
+def test_grammar_backend_choices_are_the_grammar_table():
+    assert registry.names("grammar_backend") == tuple(grammar_registry.BACKENDS)
+
+
+def test_auto_draws_only_on_registered_grammar_backends():
+    assert set(grammar_auto.BACKENDS) <= set(grammar_registry.BACKENDS) - {"auto", grammar_registry.NONE}
+
+
+def test_an_unknown_grammar_backend_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown grammar_backend 'regexp'"):
+        grammar_registry.make_backend("regexp", None, 0, [], 1.0)
+
+
+def test_naming_a_pluggable_part_imports_none_of_its_implementations():
+    """Config validation reads every registry; the backends' libraries load only when one is built."""
+    code = ("import sys; from furcate.runtime.config import EngineArgs; "
+            "EngineArgs(grammar_backend='xgrammar', speculative_algorithm='NGRAM', disaggregation_mode='null', "
+            "disaggregation_transfer_backend='nixl'); "
+            "print(' '.join(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'xgrammar', 'llguidance', 'outlines_core', 'mooncake', 'nixl') "
+            "or m.endswith(('_backend', '.ngram', '.draft_model', '.prefill', '.decode', '.transfer'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=ROOT.parent if (ROOT.parent / "furcate").exists() else None).stdout.split()
+    assert loaded == []
+
+
+def test_speculative_and_disaggregation_choices_register_beside_their_implementations():
+    assert registry.names(speculative_registry.KIND) == ("NGRAM", "STANDALONE")
+    assert registry.names(disaggregation_registry.MODE) == ("null", "prefill", "decode")
+    assert registry.names(disaggregation_registry.TRANSFER_BACKEND) == ("mooncake", "nixl")
+    from furcate.runtime.speculative.ngram import NgramDrafter
+
+    assert registry.resolve(speculative_registry.KIND, "NGRAM") is NgramDrafter

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from .. import registry
+from .registry import TRANSFER_BACKEND
 
 INSTALL_HINT = ("install furcate's [disagg] extra (pip install 'furcate[disagg]'); Mooncake also needs the system "
                 "packages libibverbs1 and libnl-route-3-200 (apt-get install libibverbs1 libnl-route-3-200)")
@@ -62,5 +63,5 @@ class MooncakeAgent:
 
 
 def make_agent(backend: str, host: str) -> TransferAgent:
-    """The agent registered under `backend` (config.py), imported only when chosen."""
-    return registry.resolve("disaggregation_transfer_backend", backend)(host)
+    """The agent registered under `backend` (disaggregation/registry.py), imported only when chosen."""
+    return registry.resolve(TRANSFER_BACKEND, backend)(host)

@@ -31,10 +31,27 @@ logger = logging.getLogger("furcate.block_gemv")
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "block_gemv.c"
 OP_SOURCE = pathlib.Path(__file__).parent / "csrc" / "block_gemv_op.cpp"
-ROWS = 4  # weight rows a block holds (block_gemv.c's ROWS)
-PAIR = 64  # weights of a pair of 32-weight groups, the kernel's unit along K
 ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX2", 0: "plain C"}
-LANE_FLOATS = 16  # per pair and row of x: the widest build's lanes of dx and of group sums
+
+
+class Args(ctypes.Structure):
+    """block_gemv.h's BlockGemvArgs, field for field: the activations, the packed weights, the output and
+    scratch."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("x_bf16", ctypes.c_int), ("M", ctypes.c_int), ("K", ctypes.c_int),
+                ("N", ctypes.c_int), ("w", ctypes.c_void_p), ("bits", ctypes.c_int), ("symmetric", ctypes.c_int),
+                ("out", ctypes.c_void_p), ("out_bf16", ctypes.c_int), ("scratch", ctypes.c_void_p),
+                ("lane_scratch", ctypes.c_void_p), ("threads", ctypes.c_int)]
+
+
+# block_gemv.h's face: its entry points and its layout's sizes (weight rows a block holds; weights of a pair of
+# 32-weight groups, the unit along K; per pair and row of x, the widest build's lanes of dx and of group sums).
+BINDING = native_build.Binding(
+    entries=(native_build.Entry("block_gemv", (ctypes.POINTER(Args),)),
+             native_build.Entry("block_gemv_isa", (), ctypes.c_int)),
+    limits={"ROWS": 4, "PAIR": 64, "LANE_FLOATS": 16},
+    structs={"BlockGemvArgs": Args})
+ROWS, PAIR, LANE_FLOATS = (BINDING.limits[name] for name in ("ROWS", "PAIR", "LANE_FLOATS"))
 # Position j of a pair holds the weight at this offset within the pair (block_gemv.c's position_k).
 _LANE = np.arange(PAIR) >> 2
 POSITION_K = 32 * (_LANE & 1) + 4 * (_LANE >> 1) + (np.arange(PAIR) & 3)
@@ -43,12 +60,7 @@ POSITION_K = 32 * (_LANE & 1) + 4 * (_LANE >> 1) + (np.arange(PAIR) & 3)
 def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The kernel built with native_build's flags and extra_flags (say -mno-avx512f for the AVX2 path), building
     it if needed; raises OSError or SubprocessError where it cannot be built or loaded."""
-    lib = native_build.load(SOURCE, extra_flags)
-    lib.block_gemv.restype = None
-    lib.block_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return lib
+    return BINDING.bind(native_build.load(SOURCE, extra_flags))
 
 
 _kernel = None  # the engine's C function, bound once library() has loaded it
@@ -142,7 +154,7 @@ def scratch(nbytes: int) -> int:
 def gemv(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int, symmetric: bool = False,
          kernel: Callable[..., None] | None = None) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16, contiguous) times the n rows pack() wrote: [M, n] in x's dtype. kernel:
-    another build's block_gemv (load(...).block_gemv) in place of the engine's."""
+    another build's block_gemv (load(...).block_gemv, taking an Args) in place of the engine's."""
     m, k = x.shape
     expected = packed_bytes(n, k, bits, symmetric)
     if weight.numel() != expected:  # released weights (RL) or a foreign tensor: no C read past it
@@ -152,8 +164,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, n: int, bits: int, symmetric: bo
     activations = scratch(2 * m * k + 8 * m * (k // PAIR) * LANE_FLOATS)
     bf16 = x.dtype == torch.bfloat16
     lanes = activations + 2 * m * k  # after the two digits of each activation
-    (kernel or _kernel)(x.data_ptr(), bf16, m, k, n, weight.data_ptr(), bits, symmetric, out.data_ptr(), bf16,
-                        activations, lanes, torch.get_num_threads())
+    args = Args(x.data_ptr(), bf16, m, k, n, weight.data_ptr(), bits, symmetric, out.data_ptr(), bf16, activations,
+                lanes, torch.get_num_threads())
+    (kernel or _kernel)(ctypes.byref(args))
     return out
 
 

@@ -26,6 +26,8 @@
 #include <immintrin.h>
 #endif
 
+#include "block_gemv.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define LANES 16
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -33,13 +35,11 @@
 #else
 #define LANES 2
 #endif
-#define ROWS 4 /* weight rows a thread runs at once, sharing each pair's activation loads */
 #define PREFETCH 8 /* pairs ahead */
 /* Activations as two int8 digits: x / dx = first + second / DIGIT, dx = max |x| / 127 a group. */
 #define DIGIT_BITS 7
 #define DIGIT (1 << DIGIT_BITS)
 
-/* 1 on the vector path this file was compiled for: 2 = AVX512-VNNI, 1 = AVX2, 0 = plain C. */
 int block_gemv_isa(void) { return LANES == 16 ? 2 : LANES == 8 ? 1 : 0; }
 
 static inline int position_k(int j) {
@@ -359,13 +359,15 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *block,
 }
 #endif
 
-/* out[m, n] (M x N, float32 or bfloat16) = x[m, :] . w[n, :] for x M x K (float32 or bfloat16), K a multiple of
- * 64. w: blocks of ROWS rows (N padded with zero rows), each a run of the rows' pairs: pair p of every row of the
- * block, then each row's float16 (scale A, scale B, offset A, offset B) of that pair, or (scale A, scale B) where
- * symmetric; one stream a thread reads front to back. scratch: 2 * M * K bytes for the quantized activations;
- * lane_scratch: 2 * M * (K / 64) * LANES floats. */
-void block_gemv(const void *x, int x_bf16, int M, int K, int N, const uint8_t *w, int bits, int symmetric, void *out,
-                int out_bf16, int8_t *scratch, float *lane_scratch, int threads) {
+/* block_gemv.h's product (its args). */
+void block_gemv(const BlockGemvArgs *args) {
+    const void *x = args->x;
+    const uint8_t *w = args->w;
+    void *out = args->out;
+    int8_t *scratch = args->scratch;
+    int x_bf16 = args->x_bf16, M = args->M, K = args->K, N = args->N, bits = args->bits;
+    int symmetric = args->symmetric, out_bf16 = args->out_bf16, threads = args->threads;
+    float *lane_scratch = args->lane_scratch;
     int pairs = K / 64;
     size_t block_bytes = (size_t)pairs * ROWS * (8 * bits + factor_bytes(symmetric)), lanes = (size_t)pairs * LANES;
     float *dx_lanes = lane_scratch, *sum_lanes = lane_scratch + (size_t)M * lanes;
@@ -374,7 +376,11 @@ void block_gemv(const void *x, int x_bf16, int M, int K, int N, const uint8_t *w
         quantize_row((const char *)x + m * x_row_bytes, x_bf16, K, scratch + (size_t)m * 2 * K, dx_lanes + m * lanes,
                      sum_lanes + m * lanes);
     int blocks = (N + ROWS - 1) / ROWS;
+#ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
+#else
+    (void)threads; /* without OpenMP the blocks run on the calling thread */
+#endif
     for (int b = 0; b < blocks; b++) {
         int n0 = b * ROWS, count = N - n0 < ROWS ? N - n0 : ROWS;
         float result[ROWS];

@@ -6,14 +6,14 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
-extern "C" void block_gemv(const void* x, int x_bf16, int M, int K, int N, const uint8_t* w, int bits, int symmetric,
-                           void* out, int out_bf16, int8_t* scratch, float* lane_scratch, int threads);
+#include "block_gemv.h"
 
 namespace {
 
-constexpr int64_t kRows = 4, kPair = 64, kLaneFloats = 16;  // block_gemv.py's ROWS, PAIR and LANE_FLOATS
+constexpr int64_t kRows = ROWS, kPair = PAIR, kLaneFloats = LANE_FLOATS;
 
 int64_t packed_bytes(int64_t n, int64_t k, int64_t bits, bool symmetric) {
   return (n + kRows - 1) / kRows * kRows * (k / kPair) * (8 * bits + (symmetric ? 4 : 8));
@@ -43,9 +43,21 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, int64_t n, int
   auto out = at::empty({m, n}, x.options());
   uint8_t* activations = scratch(2 * m * k + 8 * m * (k / kPair) * kLaneFloats);
   bool bf16 = x.scalar_type() == at::kBFloat16;
-  block_gemv(x.data_ptr(), bf16, m, k, n, weight.data_ptr<uint8_t>(), bits, symmetric, out.data_ptr(), bf16,
-             reinterpret_cast<int8_t*>(activations), reinterpret_cast<float*>(activations + 2 * m * k),
-             at::get_num_threads());
+  BlockGemvArgs args{};
+  args.x = x.data_ptr();
+  args.x_bf16 = bf16;
+  args.M = static_cast<int>(m);
+  args.K = static_cast<int>(k);
+  args.N = static_cast<int>(n);
+  args.w = weight.data_ptr<uint8_t>();
+  args.bits = static_cast<int>(bits);
+  args.symmetric = symmetric;
+  args.out = out.data_ptr();
+  args.out_bf16 = bf16;
+  args.scratch = reinterpret_cast<int8_t*>(activations);
+  args.lane_scratch = reinterpret_cast<float*>(activations + 2 * m * k);
+  args.threads = at::get_num_threads();
+  block_gemv(&args);
   return out;
 }
 

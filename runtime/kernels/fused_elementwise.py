@@ -16,6 +16,7 @@ import ctypes
 import functools
 import logging
 import pathlib
+from collections.abc import Callable
 
 import torch
 
@@ -31,17 +32,29 @@ PARALLEL_ELEMENTS = 1 << 15
 INT64, INT, FLOAT, POINTER = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
+class RotaryArgs(ctypes.Structure):
+    """fused_elementwise.h's RotaryArgs, field for field: qkv's rows, the tables, q and k out, their shapes."""
+
+    _fields_ = [("qkv", POINTER), ("row_stride", INT64), ("cos", POINTER), ("signed_sin", POINTER),
+                ("q_out", POINTER), ("k_out", POINTER), ("rows", INT64), ("q_heads", INT), ("k_heads", INT),
+                ("dim", INT), ("rot", INT), ("threads", INT)]
+
+
+def both_dtypes(name: str, argtypes: tuple[object, ...]) -> tuple[native_build.Entry, ...]:
+    """An entry point and its _bf16 twin: the same arguments (pointers to float32 or to bfloat16)."""
+    return native_build.Entry(name, argtypes), native_build.Entry(name + "_bf16", argtypes)
+
+
+# fused_elementwise.h's face: each step for float32 and for bfloat16.
+BINDING = native_build.Binding(
+    entries=(*both_dtypes("rms_norm", (POINTER, POINTER, POINTER, INT64, INT64, FLOAT, INT)),
+             *both_dtypes("silu_mul", (POINTER, POINTER, INT64, INT64, INT)),
+             *both_dtypes("rotary_qk", (ctypes.POINTER(RotaryArgs),))),
+    structs={"RotaryArgs": RotaryArgs})
+
+
 def load() -> ctypes.CDLL:
-    lib = native_build.load(SOURCE, FLAGS)
-    lib.rms_norm.argtypes = [POINTER, POINTER, POINTER, INT64, INT64, FLOAT, INT]
-    lib.silu_mul.argtypes = [POINTER, POINTER, INT64, INT64, INT]
-    lib.rotary_qk.argtypes = [POINTER, INT64, POINTER, POINTER, POINTER, POINTER, INT64, INT, INT, INT, INT, INT]
-    lib.rms_norm_bf16.argtypes, lib.silu_mul_bf16.argtypes = lib.rms_norm.argtypes, lib.silu_mul.argtypes
-    lib.rotary_qk_bf16.argtypes = lib.rotary_qk.argtypes
-    for function in (lib.rms_norm, lib.silu_mul, lib.rotary_qk, lib.rms_norm_bf16, lib.silu_mul_bf16,
-                     lib.rotary_qk_bf16):
-        function.restype = None
-    return lib
+    return BINDING.bind(native_build.load(SOURCE, FLAGS))
 
 
 @functools.cache
@@ -65,7 +78,7 @@ def serves(x: torch.Tensor) -> bool:
             and available())
 
 
-def kernel(name: str, dtype: torch.dtype):
+def kernel(name: str, dtype: torch.dtype) -> Callable[..., None]:
     """The library's function for this dtype (the _bf16 variant for bfloat16)."""
     return getattr(library(), name + ("_bf16" if dtype == torch.bfloat16 else ""))
 
@@ -80,7 +93,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     width = x.shape[-1]
     kernel("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // width, width, eps,
-                       threads(x.numel()))
+                                threads(x.numel()))
     return out
 
 
@@ -98,6 +111,7 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, q_
     (unit column stride), rotated by cos_sin's tables ([T, 1, rotary_dim], contiguous) as apply_rotary does."""
     rows, rot = qkv.shape[0], cos.shape[-1]
     q, k = qkv.new_empty(rows, q_heads, head_dim), qkv.new_empty(rows, k_heads, head_dim)
-    kernel("rotary_qk", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), signed_sin.data_ptr(), q.data_ptr(),
-                        k.data_ptr(), rows, q_heads, k_heads, head_dim, rot, threads(q.numel() + k.numel()))
+    args = RotaryArgs(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), signed_sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+                      rows, q_heads, k_heads, head_dim, rot, threads(q.numel() + k.numel()))
+    kernel("rotary_qk", qkv.dtype)(ctypes.byref(args))
     return q, k

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fused_elementwise.h"
+
 /* A bfloat16 is the top half of the float32 it stands for. */
 static inline float widen(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -38,7 +40,11 @@ static inline uint16_t product(uint16_t a, uint16_t b) { return narrow(widen(a) 
 /* out[r] = weight * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))), HF Llama's RMSNorm in float32. */
 void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t width, float eps,
               int threads) {
+#ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
+#else
+    (void)threads; /* without OpenMP (built with -fopenmp-simd) the rows run on the calling thread */
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * width;
         float *dst = out + r * width;
@@ -55,7 +61,11 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
 /* HF Llama's RMSNorm in bfloat16: weight * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))).to(bfloat16). */
 void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t width,
                    float eps, int threads) {
+#ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
+#else
+    (void)threads; /* without OpenMP (built with -fopenmp-simd) the rows run on the calling thread */
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = x + r * width;
         uint16_t *dst = out + r * width;
@@ -94,7 +104,11 @@ static inline float silu_exp(float x) {
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the gate and up halves of one fused projection. */
 void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int threads) {
+#ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
+#else
+    (void)threads; /* without OpenMP (built with -fopenmp-simd) the rows run on the calling thread */
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
         float *dst = out + r * inter;
@@ -108,7 +122,11 @@ void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int
 
 /* silu_mul in bfloat16: silu(gate) rounded, then its product with up rounded. */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int threads) {
+#ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
+#else
+    (void)threads; /* without OpenMP (built with -fopenmp-simd) the rows run on the calling thread */
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
         uint16_t *dst = out + r * inter;
@@ -132,13 +150,18 @@ static inline void rotate_head(const float *x, const float *cos, const float *si
     for (int i = rot; i < dim; i++) out[i] = x[i];
 }
 
-/* q_out [rows, q_heads, dim] and k_out [rows, k_heads, dim] (both contiguous) rotated from the first
- * (q_heads + k_heads) * dim columns of qkv, whose rows lie row_stride floats apart; cos and signed_sin are
- * [rows, rot]. */
-void rotary_qk(const float *qkv, int64_t row_stride, const float *cos, const float *signed_sin, float *q_out,
-               float *k_out, int64_t rows, int q_heads, int k_heads, int dim, int rot, int threads) {
+/* fused_elementwise.h's rotation of float32 rows. */
+void rotary_qk(const RotaryArgs *args) {
+    const float *qkv = args->qkv, *cos = args->cos, *signed_sin = args->signed_sin;
+    float *q_out = args->q_out, *k_out = args->k_out;
+    int64_t row_stride = args->row_stride, rows = args->rows;
+    int q_heads = args->q_heads, k_heads = args->k_heads, dim = args->dim, rot = args->rot, threads = args->threads;
     int heads = q_heads + k_heads;
+#ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
+#else
+    (void)threads; /* without OpenMP (built with -fopenmp-simd) the rows run on the calling thread */
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const float *row = qkv + r * row_stride, *c = cos + r * rot, *s = signed_sin + r * rot;
         for (int h = 0; h < heads; h++) {
@@ -162,11 +185,17 @@ static inline void rotate_head_bf16(const uint16_t *x, const uint16_t *cos, cons
 }
 
 /* rotary_qk in bfloat16 (row_stride in elements). */
-void rotary_qk_bf16(const uint16_t *qkv, int64_t row_stride, const uint16_t *cos, const uint16_t *signed_sin,
-                    uint16_t *q_out, uint16_t *k_out, int64_t rows, int q_heads, int k_heads, int dim, int rot,
-                    int threads) {
+void rotary_qk_bf16(const RotaryArgs *args) {
+    const uint16_t *qkv = args->qkv, *cos = args->cos, *signed_sin = args->signed_sin;
+    uint16_t *q_out = args->q_out, *k_out = args->k_out;
+    int64_t row_stride = args->row_stride, rows = args->rows;
+    int q_heads = args->q_heads, k_heads = args->k_heads, dim = args->dim, rot = args->rot, threads = args->threads;
     int heads = q_heads + k_heads;
+#ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
+#else
+    (void)threads; /* without OpenMP (built with -fopenmp-simd) the rows run on the calling thread */
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = qkv + r * row_stride, *c = cos + r * rot, *s = signed_sin + r * rot;
         for (int h = 0; h < heads; h++) {

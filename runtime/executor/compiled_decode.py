@@ -188,18 +188,26 @@ class CompiledDecode:
         return (forward.batch_size <= self.max_bs and one_token_each(forward)
                 and int(forward.prefix_lens.min()) > 0 and forward.positions.dim() == 1)
 
-    def plan(self, forward: ForwardBatch) -> DecodePlan:
-        """What the graphs read of a batch can_run accepted (on the scheduler thread)."""
-        return plan_decode(forward, self.paged)
+    def prepare(self, forward: ForwardBatch) -> ForwardBatch | None:
+        """The batch with what the graphs read of it (its DecodePlan), where can_run accepts it; else None."""
+        if not self.can_run(forward):
+            return None
+        forward.attn_metadata = plan_decode(forward, self.paged)
+        return forward
 
-    def run(self, forward: ForwardBatch) -> torch.Tensor:
-        """Logits [batch_size, vocab] (float32) of a batch can_run accepted, planned by plan."""
+    def claims(self, forward: ForwardBatch) -> bool:
+        """Planned by prepare: a batch planned before these graphs were adopted runs eagerly, as it was planned."""
+        return isinstance(forward.attn_metadata, DecodePlan)
+
+    def run(self, forward: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of `rows` (float32) of a batch prepare planned."""
         self.calls += 1
         plan: DecodePlan = forward.attn_metadata
         with torch.inference_mode():
-            return self.step(forward.batch_size)(
+            logits = self.step(forward.batch_size)(
                 self.model, forward.input_ids, forward.positions, forward.out_cache_loc, plan.kv_index,
                 plan.spans, plan.key_valid, self.kv_pool.k_buffer, self.kv_pool.v_buffer)
+        return logits[rows]
 
     def step(self, bs: int):
         """The graph of bs's size class: the one of the largest smallest size not above it."""

@@ -67,10 +67,25 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.calls = 0  # forwards that replayed a graph
         # Largest first: smaller graphs then fit in the memory the largest one's pool already holds.
         for bs in reversed(sizes):
             self._capture(bs)
         logger.info("captured CUDA graphs for decode batch sizes %s", sizes)
+
+    def prepare(self, forward: ForwardBatch) -> ForwardBatch | None:
+        """The batch padded to a captured size, planned on the forward thread just before its replay (into the
+        graph's buffers); None (not a decode batch, or above the largest size) where no graph fits it."""
+        padded = self.pad(forward)  # padding rows come last: the batch's logit rows stay where they were
+        return padded if self.can_replay(padded) else None
+
+    def claims(self, forward: ForwardBatch) -> bool:
+        return self.can_replay(forward)
+
+    def run(self, forward: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+        logits = self.replay(forward)[rows]
+        self.calls += 1
+        return logits
 
     def pad(self, forward: ForwardBatch) -> ForwardBatch:
         """The batch a decode step runs as: padded to a captured size, or as it is (eager) when none fits."""

@@ -31,9 +31,10 @@ from ..multimodal.embedder import ImageEmbedder
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
-from .compiled_decode import CompiledDecode, DecodePlan, compilable, compile_graphs, size_classes
+from .compiled_decode import CompiledDecode, compilable, compile_graphs, size_classes
 from .cuda_graph import capture_batch_sizes
 from .cuda_graph_runner import CudaGraphRunner, capturable, supports_cuda_graphs
+from .decode_runner import DecodeRunner, EagerRunner, claimant, prepare_first
 from .graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled, start_background_build
 from .graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
 from .rank_control import model_tensors
@@ -110,13 +111,15 @@ class ModelRunner:
         self.attn_backend = make_attention_backend(args.attention_backend, args.device,
                                                    model_attention(self.model, self.dtype))
         self.images = self._image_embedder(model_path, args)
+        # The followers are looked up at each batch: close() replaces them.
+        self.eager = EagerRunner(self.model, self.attn_backend, lambda forward: self.followers.snapshot(forward))
         self.graphs = self._capture_graphs(args)
         self.background: BackgroundGraphs | None = None
         self.compiled = self._compiled_decode(args)
+        self.runners = self._runner_order()
         self.vocab_size = self.config.vocab_size
         self.forward_seconds = 0.0
         self.forward_calls = 0
-        self.graph_calls = 0  # forwards that replayed a CUDA graph
         self.device = args.device
         self.forward_stream = torch.cuda.Stream(args.device) if args.device.startswith("cuda") else None
 
@@ -189,6 +192,18 @@ class ModelRunner:
                          self.quantized.max_rows, (len(self.model.model.layers), attn.num_kv_heads, attn.head_dim),
                          tuple(sizes), torch.get_num_threads(), key)
 
+    def _runner_order(self) -> list[DecodeRunner]:
+        """The runners in the order they are asked to take a batch (decode_runner.py): compiled decode first (its
+        plan is chosen before a CUDA graph would pad the batch), then the CUDA graphs, then eager, which takes any.
+        Never both of the first two: compiled decode runs on a CPU, CUDA graphs on a GPU. A new list each time:
+        the forward thread may be reading the old one."""
+        return [runner for runner in (self.compiled, self.graphs) if runner is not None] + [self.eager]
+
+    @property
+    def graph_calls(self) -> int:
+        """Forwards that replayed a CUDA graph."""
+        return 0 if self.graphs is None else self.graphs.calls
+
     def decode_graphs(self) -> str:
         """How decode runs: "compiled" (its graphs loaded), "building" (eager until the builder's graphs load), or
         "eager"."""
@@ -199,6 +214,7 @@ class ModelRunner:
         if self.background is not None and self.background.graphs is not None:
             max_bs = min(self.args.torch_compile_max_bs, self.args.max_running_requests)
             self.compiled = CompiledDecode(self.model, self.kv_pool, max_bs, self.background.graphs)
+            self.runners = self._runner_order()
             self.background = None
             logger.info("decode runs through its compiled graphs from now on")
 
@@ -211,9 +227,13 @@ class ModelRunner:
         return ImageEmbedder(load_vision_encoder(model_path, self.dtype, args.device), args.device)
 
     def recapture_graphs(self) -> None:
-        """Capture the decode graphs again: resumed weights and K/V buffers live at new addresses."""
+        """Capture the decode graphs again: resumed weights and K/V buffers live at new addresses. The replay count
+        carries over to the new graphs (captured again: the checks that passed at start pass again)."""
         if self.graphs is not None:
+            replays = self.graphs.calls
             self.graphs = self._capture_graphs(self.args)
+            self.graphs.calls = replays
+            self.runners = self._runner_order()
 
     def _tokens_from_memory(self, args: EngineArgs, model_path: str) -> int:
         _, num_kv_heads, head_dim = attention_shape(self.config)
@@ -232,15 +252,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduleBatch) -> None:
         """Everything of a forward that reads scheduler state; runs on the scheduler thread."""
         self.adopt_background_graphs()
-        if self.compiled is not None and self.compiled.can_run(batch.forward):
-            batch.forward.attn_metadata = self.compiled.plan(batch.forward)
-            return
-        if self.graphs is not None:  # padding rows come last: the batch's logit rows stay where they were
-            batch.forward = self.graphs.pad(batch.forward)
-            if self.graphs.can_replay(batch.forward):
-                return  # planned into the graph's buffers on the forward thread, just before its replay
-        self.attn_backend.init_forward_metadata(batch.forward)
-        self.followers.snapshot(batch.forward)
+        batch.forward = prepare_first(self.runners, batch.forward)
 
     @contextlib.contextmanager
     def on_forward_stream(self) -> Iterator[None]:
@@ -267,21 +279,14 @@ class ModelRunner:
         self.followers.run_step(forward, rows)
         if forward.images:
             forward.image_embeds = self.images.embed(forward.images)
-        if self.graphs is not None and self.graphs.can_replay(forward):
-            logits = self.graphs.replay(forward)[rows]
-            self.graph_calls += 1
-        elif self.compiled is not None and isinstance(forward.attn_metadata, DecodePlan):
-            logits = self.compiled.run(forward)[rows]
-        else:
-            logits = self.run_forward(forward, rows)
+        logits = claimant(self.runners, forward).run(forward, rows)
         self.forward_seconds += time.perf_counter() - started
         self.forward_calls += 1
         return logits
 
     def run_forward(self, forward: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
         """The model over a laid-out batch, then the logits of `rows`; every tensor-parallel rank runs this."""
-        hidden = self.model(forward, self.attn_backend)
-        return self.model.compute_logits(hidden[rows])
+        return self.eager.run(forward, rows)
 
     def close(self) -> None:
         """Stop the follower ranks (nothing to do without tensor parallelism)."""

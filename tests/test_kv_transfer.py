@@ -12,6 +12,7 @@ import torch
 from furcate.runtime.cache.memory_pool import TokenToKVPool
 from furcate.runtime.disaggregation.bootstrap import RoomRegistry
 from furcate.runtime.disaggregation.layout import KVLayout, runs, write_list
+from furcate.runtime.engine.generate_request import BootstrapFields, GenerateRequest
 from furcate.runtime.engine.request_builder import RequestBuilder
 from furcate.runtime.wire.messages import SchedulerReady
 
@@ -110,7 +111,7 @@ def test_bootstrap_fields_are_checked_per_mode(tokenizer, mode):
     pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12}
 
     def build(prompt="hi", params=None, **fields):
-        return builder.build(prompt, params, None, False, -1, 0, None, False, False, fields)
+        return builder.build(GenerateRequest(prompt, params, bootstrap=BootstrapFields.from_keywords(fields)))
 
     if mode == "null":
         with pytest.raises(ValueError, match="serves requests whole"):

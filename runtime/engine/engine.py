@@ -13,9 +13,9 @@ import queue
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal, Unpack, overload
 
 from transformers import AutoTokenizer
 
@@ -26,6 +26,7 @@ from ..multimodal.prompt import ImagePrompts
 from ..speculative.draft_check import prepare_draft_model
 from ..wire.control_calls import CheckIntegrity, FlushCache, GetStats, Shutdown
 from ..wire.messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
+from .generate_request import BootstrapFields, GenerateOptions, GenerateRequest, Output, SamplingArg, bootstrap_of
 from .launch import start_scheduler_process, started_one
 from .request_builder import RequestBuilder
 from .request_state import RequestState
@@ -39,19 +40,37 @@ class QueueFullError(RuntimeError):
     """More requests are in flight than max_running_requests + max_queued_requests allow; retry later."""
 
 
-def _deadline(timeout: Any, stream: bool) -> float | None:
-    """Validate `timeout` and turn it into a monotonic deadline (None: wait as long as it takes)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if stream:
-        raise ValueError("timeout applies to whole results; a stream's reader decides when to stop")
-    return time.monotonic() + timeout
+class _Reader:
+    """The one way a caller reads a request's sink, sync or async, streamed or whole: an error item is raised, the
+    item with a finish_reason is the last, and leaving the reader before that abandons (aborts) the request."""
 
+    def __init__(self, state: RequestState, abandon: Callable[[RequestState], None]) -> None:
+        self.state = state
+        self.abandon = abandon
+        self.done = False
 
-def _bootstrap_fields(host: Any, port: Any, room: Any) -> dict[str, Any]:
-    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    def take(self, item: Output | Exception) -> Output:
+        if isinstance(item, Exception):
+            raise item
+        self.done = item["meta_info"]["finish_reason"] is not None
+        return item
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.state.finished:  # closed early, cancelled or timed out: nobody waits any more
+            self.abandon(self.state)
+
+    def chunks(self, get: Callable[[], Output | Exception]) -> Iterator[Output]:
+        with self:
+            while not self.done:
+                yield self.take(get())
+
+    async def async_chunks(self, get: Callable[[], Awaitable[Output | Exception]]) -> AsyncGenerator[Output, None]:
+        with self:  # the same loop as chunks(), awaiting each item
+            while not self.done:
+                yield self.take(await get())
 
 
 def image_prompts(model_path: str, args: EngineArgs, vocab_size: int) -> ImagePrompts | None:
@@ -102,68 +121,78 @@ class Engine(EngineRl):
 
     # -- public API ---------------------------------------------------------------------------------------
 
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+    @overload
+    def generate(self, prompt: str | None = None, sampling_params: SamplingArg = None,
+                 input_ids: list[int] | None = None, *, stream: Literal[True],
+                 **options: Unpack[GenerateOptions]) -> Iterator[Output]: ...
+
+    @overload
+    def generate(self, prompt: list[str] | None = None, sampling_params: SamplingArg = None,
+                 input_ids: list[list[int]] | None = None, *, stream: Literal[False] = False,
+                 **options: Unpack[GenerateOptions]) -> list[Output]: ...
+
+    @overload
+    def generate(self, prompt: str | None = None, sampling_params: SamplingArg = None,
+                 input_ids: list[int] | None = None, *, stream: Literal[False] = False,
+                 **options: Unpack[GenerateOptions]) -> Output | list[Output]: ...
+
+    @overload
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: SamplingArg = None,
+                 input_ids: list[int] | list[list[int]] | None = None, *, stream: bool = False,
+                 **options: Unpack[GenerateOptions]) -> Output | list[Output] | Iterator[Output]: ...
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: SamplingArg = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                 stream: bool = False, rid: str | None = None, timeout: float | None = None,
-                 bootstrap_host: str | None = None, bootstrap_port: int | None = None,
-                 bootstrap_room: int | None = None, image_data: Any = None):
-        """Generate for one prompt (returns a dict) or a list (returns a list, n results per prompt, in order).
+                 stream: bool = False, rid: str | None = None, timeout: float | None = None, image_data: Any = None,
+                 *, bootstrap: BootstrapFields | None = None,
+                 **disaggregation: Any) -> Output | list[Output] | Iterator[Output]:
+        """Generate for one prompt (returns a dict; a list of n with n > 1) or a list of prompts (returns a list, n
+        results per prompt, in order).
 
         With stream=True (one prompt, n=1) returns an iterator of chunks: `text` is cumulative, logprob lists
         hold only the new entries. With `timeout` (seconds, not for streams) requests still unfinished then are
-        aborted and TimeoutError is raised. The bootstrap fields pair a request's halves on prefill and decode
-        engines (disaggregation_mode). `image_data` (vision-language models): one image per prompt or a list per
-        prompt, each a path, bytes, a PIL image, a base64 string or a data: URL, shown where the prompt has the
-        model's image placeholder.
+        aborted and TimeoutError is raised. `image_data` (vision-language models): one image per prompt or a list
+        per prompt, each a path, bytes, a PIL image, a base64 string or a data: URL, shown where the prompt has the
+        model's image placeholder. `bootstrap` pairs a request's halves on prefill and decode engines
+        (disaggregation_mode); SGLang's bootstrap_host, bootstrap_port and bootstrap_room keywords do the same.
         """
-        deadline = _deadline(timeout, stream)
-        reqs, single = self.builder.build(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                          top_logprobs_num, rid, stream, return_text_in_logprobs,
-                                          _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room),
-                                          image_data)
-        self._check_capacity(len(reqs))
-        if stream:
-            return self._stream_sync(reqs[0], return_text_in_logprobs)
-        sinks = [queue.Queue() for _ in reqs]
-        states = [self._submit(req, return_text_in_logprobs, sink.put) for req, sink in zip(reqs, sinks)]
-        try:
-            results = [self._wait_result(state, sink, deadline) for state, sink in zip(states, sinks)]
-        except BaseException:
-            self._abort_unfinished(states)  # one item failed: the others must not run on, unowned
-            raise
-        return results[0] if single else results
+        return self._generate(GenerateRequest(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                              top_logprobs_num, return_text_in_logprobs, stream, rid, timeout,
+                                              image_data, bootstrap_of(bootstrap, disaggregation)))
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict | list[dict] | None = None,
+    @overload
+    async def async_generate(self, prompt: str | None = None, sampling_params: SamplingArg = None,
+                             input_ids: list[int] | None = None, *, stream: Literal[True],
+                             **options: Unpack[GenerateOptions]) -> AsyncIterator[Output]: ...
+
+    @overload
+    async def async_generate(self, prompt: list[str] | None = None, sampling_params: SamplingArg = None,
+                             input_ids: list[list[int]] | None = None, *, stream: Literal[False] = False,
+                             **options: Unpack[GenerateOptions]) -> list[Output]: ...
+
+    @overload
+    async def async_generate(self, prompt: str | None = None, sampling_params: SamplingArg = None,
+                             input_ids: list[int] | None = None, *, stream: Literal[False] = False,
+                             **options: Unpack[GenerateOptions]) -> Output | list[Output]: ...
+
+    @overload
+    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: SamplingArg = None,
+                             input_ids: list[int] | list[list[int]] | None = None, *, stream: bool = False,
+                             **options: Unpack[GenerateOptions]) -> Output | list[Output] | AsyncIterator[Output]:
+        ...
+
+    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: SamplingArg = None,
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              return_text_in_logprobs: bool = False, stream: bool = False, rid: str | None = None,
-                             timeout: float | None = None, bootstrap_host: str | None = None,
-                             bootstrap_port: int | None = None, bootstrap_room: int | None = None,
-                             image_data: Any = None):
+                             timeout: float | None = None, image_data: Any = None, *,
+                             bootstrap: BootstrapFields | None = None,
+                             **disaggregation: Any) -> Output | list[Output] | AsyncIterator[Output]:
         """Async twin of generate(); with stream=True returns an async iterator of chunks."""
-        _deadline(timeout, stream)
-        bootstrap = _bootstrap_fields(bootstrap_host, bootstrap_port, bootstrap_room)
-        build_args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, rid,
-                      stream, return_text_in_logprobs, bootstrap, image_data)
-        if prompt is None and image_data is None:  # token ids: nothing slow to do
-            reqs, single = self.builder.build(*build_args)
-        else:  # tokenizing a long prompt must not stall every other coroutine on this loop (fast tokenizers
-            # release the GIL); the thread raises the same ValueError here
-            reqs, single = await asyncio.to_thread(self.builder.build, *build_args)
-        self._check_capacity(len(reqs))
-        if stream:
-            return self._stream_async(reqs[0], return_text_in_logprobs)
-        tasks = [asyncio.ensure_future(self._await_one(req, return_text_in_logprobs)) for req in reqs]
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
-        except BaseException:
-            for task in tasks:  # cancelling a waiter aborts its request (see _await_one)
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return results[0] if single else list(results)
+        return await self._async_generate(GenerateRequest(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+            return_text_in_logprobs, stream, rid, timeout, image_data, bootstrap_of(bootstrap, disaggregation)))
 
     @property
     def image_placeholder(self) -> str | None:
@@ -265,11 +294,6 @@ class Engine(EngineRl):
         self._send(req)
         return state
 
-    def _abort_unfinished(self, states: list[RequestState]) -> None:
-        for state in states:
-            if not state.finished:
-                self._abandon(state)
-
     def _abandon(self, state: RequestState) -> None:
         """Nobody waits for this request any more: forget it here (later outputs are dropped) and abort it."""
         with self._lock:
@@ -278,51 +302,65 @@ class Engine(EngineRl):
         if self._dead is None and not self._closed:
             self._send(AbortReq(state.req.rid))
 
+    def _generate(self, call: GenerateRequest) -> Output | list[Output] | Iterator[Output]:
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout  # tokenizing counts too
+        reqs, single = self.builder.build(call)
+        self._check_capacity(len(reqs))
+        if call.stream:
+            sink: queue.Queue = queue.Queue()
+            state = self._submit(reqs[0], call.return_text_in_logprobs, sink.put)
+            return _Reader(state, self._abandon).chunks(sink.get)
+        results = self._wait_all(reqs, call.return_text_in_logprobs, deadline)
+        return results[0] if single else results
+
+    def _wait_all(self, reqs: list[TokenizedGenerateReq], return_text: bool, deadline: float | None) -> list[Output]:
+        with contextlib.ExitStack() as readers:  # one item failed: the others must not run on, unowned
+            waits = []
+            for req in reqs:
+                sink: queue.Queue = queue.Queue()
+                reader = readers.enter_context(_Reader(self._submit(req, return_text, sink.put), self._abandon))
+                waits.append((reader, sink))
+            return [self._wait_result(reader, sink, deadline) for reader, sink in waits]
+
     @staticmethod
-    def _wait_result(state: RequestState, sink: queue.Queue, deadline: float | None = None) -> dict[str, Any]:
+    def _wait_result(reader: _Reader, sink: queue.Queue, deadline: float | None) -> Output:
         """A request nobody streams puts one item in its sink: the whole result, or the error."""
         try:
             item = sink.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
         except queue.Empty:
-            raise TimeoutError(f"request {state.req.rid} did not finish in time") from None
-        if isinstance(item, Exception):
-            raise item
-        return item
+            raise TimeoutError(f"request {reader.state.req.rid} did not finish in time") from None
+        return reader.take(item)
 
-    def _stream_sync(self, req: TokenizedGenerateReq, return_text: bool) -> Iterator[dict[str, Any]]:
-        sink: queue.Queue = queue.Queue()
-        state = self._submit(req, return_text, sink.put)
-
-        def chunks() -> Iterator[dict[str, Any]]:
-            try:
-                while True:
-                    item = sink.get()
-                    if isinstance(item, Exception):
-                        raise item
-                    yield item
-                    if item["meta_info"]["finish_reason"] is not None:
-                        return
-            finally:
-                if not state.finished:
-                    self._abandon(state)
-
-        return chunks()
-
-    async def _await_one(self, req: TokenizedGenerateReq, return_text: bool) -> dict[str, Any]:
-        state, sink = self._submit_async(req, return_text)
+    async def _async_generate(self, call: GenerateRequest) -> Output | list[Output] | AsyncIterator[Output]:
+        if call.texts is None and call.image_data is None:  # token ids: nothing slow to do
+            reqs, single = self.builder.build(call)
+        else:  # tokenizing a long prompt must not stall every other coroutine on this loop (fast tokenizers
+            # release the GIL); the thread raises the same ValueError here
+            reqs, single = await asyncio.to_thread(self.builder.build, call)
+        self._check_capacity(len(reqs))
+        if call.stream:
+            return self._stream_async(reqs[0], call.return_text_in_logprobs)
+        tasks = [asyncio.ensure_future(self._await_one(req, call.return_text_in_logprobs)) for req in reqs]
         try:
-            item = await sink.get()  # a request nobody streams delivers one item: the whole result, or the error
-        finally:
-            if not state.finished:  # cancelled: nobody waits any more
-                self._abandon(state)
-        if isinstance(item, Exception):
-            raise item
-        return item
+            results = await asyncio.wait_for(asyncio.gather(*tasks), call.timeout)
+        except BaseException:
+            for task in tasks:  # cancelling a waiter aborts its request (see _await_one)
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return results[0] if single else list(results)
 
-    async def _stream_async(self, req: TokenizedGenerateReq, return_text: bool) -> AsyncIterator[dict[str, Any]]:
+    async def _await_one(self, req: TokenizedGenerateReq, return_text: bool) -> Output:
         state, sink = self._submit_async(req, return_text)
-        async for chunk in self._consume_async(state, sink):
-            yield chunk
+        with _Reader(state, self._abandon) as reader:  # cancelled: leaving the reader aborts the request
+            return reader.take(await sink.get())
+
+    async def _stream_async(self, req: TokenizedGenerateReq, return_text: bool) -> AsyncIterator[Output]:
+        """Submitted on the first read: a stream nobody reads never runs."""
+        state, sink = self._submit_async(req, return_text)
+        async with contextlib.aclosing(_Reader(state, self._abandon).async_chunks(sink.get)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def _submit_async(self, req: TokenizedGenerateReq, return_text: bool) -> tuple[RequestState, asyncio.Queue]:
         loop = asyncio.get_running_loop()
@@ -334,19 +372,6 @@ class Engine(EngineRl):
 
         state = self._submit(req, return_text, deliver)
         return state, sink
-
-    async def _consume_async(self, state: RequestState, sink: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
-        try:
-            while True:
-                item = await sink.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                if item["meta_info"]["finish_reason"] is not None:
-                    return
-        finally:
-            if not state.finished:
-                self._abandon(state)
 
     def _rpc(self, call: Any, timeout: float = 60) -> Any:
         """A control call (wire/control_calls.py, wire/weight_messages.py) answered by the scheduler."""

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from ...version import __version__
 from ..engine.engine import Engine
+from ..engine.generate_request import BootstrapFields
 from ..sampling.params import MAX_N
 from .errors import ApiError, check_fields, read_json_object
 from .image_fields import checked_images
@@ -60,7 +61,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         "logprob_start_len": body.get("logprob_start_len", -1), "top_logprobs_num": body.get("top_logprobs_num", 0),
         "return_text_in_logprobs": body.get("return_text_in_logprobs", False),
         "image_data": checked_images(body.get("image_data"), request.app[SETTINGS].allow_local_images),
-        **{name: body.get(name) for name in BOOTSTRAP_FIELDS},
+        "bootstrap": BootstrapFields.from_keywords({name: body.get(name) for name in BOOTSTRAP_FIELDS}),
     }
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

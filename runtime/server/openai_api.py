@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from ..engine.engine import Engine
+from ..engine.generate_request import BootstrapFields
 from . import openai_format as fmt
 from . import tool_calls
 from .answer import AnswerPlan
@@ -45,7 +46,7 @@ class Job:
     logprobs: int | None  # top logprobs per token (0: the chosen token's only); None: no logprobs
     echo_texts: list[str] = field(default_factory=list)  # completions with echo: the prompt text per prompt
     rid: str | None = None
-    bootstrap: dict[str, Any] = field(default_factory=dict)  # prefill/decode pairing fields from the router
+    bootstrap: BootstrapFields | None = None  # prefill/decode pairing fields from the router
     images: list[list[Any]] | None = None  # per prompt, the images its placeholders show (chat image_url parts)
 
     @property
@@ -135,8 +136,8 @@ async def _answer(request: web.Request, plan: AnswerPlan, req: ChatCompletionReq
     return web.json_response(body)
 
 
-def _bootstrap(req: SamplingFields) -> dict[str, Any]:
-    return {name: getattr(req, name) for name in BOOTSTRAP_FIELDS}
+def _bootstrap(req: SamplingFields) -> BootstrapFields | None:
+    return BootstrapFields.from_keywords({name: getattr(req, name) for name in BOOTSTRAP_FIELDS})
 
 
 def _completion_prompts(engine: Engine, prompt: Any) -> list[list[int]]:
@@ -171,7 +172,8 @@ async def _run(request: web.Request, job: Job, req: SamplingFields) -> web.Strea
         return await _stream(request, job, include_usage)
     engine: Engine = request.app[ENGINE]
     results = await engine.async_generate(input_ids=job.prompt_ids, sampling_params=job.sampling,
-                                          rid=job.rid, image_data=job.images, **_logprob_args(job), **job.bootstrap)
+                                          rid=job.rid, image_data=job.images, bootstrap=job.bootstrap,
+                                          **_logprob_args(job))
     choices = [_choice(job, index, result) for index, result in enumerate(results)]
     prompt_tokens = sum(len(ids) for ids in job.prompt_ids)
     cached = sum(r["meta_info"]["cached_tokens"] for r in results[:: job.n])
@@ -261,8 +263,8 @@ async def _open_streams(engine: Engine, job: Job) -> list[AsyncIterator[dict[str
                                                     else f"{job.rid}-{p}-{sample}")
                 images = None if job.images is None else job.images[p]
                 streams.append(await engine.async_generate(input_ids=ids, sampling_params=one, stream=True, rid=rid,
-                                                           image_data=images, **_logprob_args(job),
-                                                           **job.bootstrap))
+                                                           image_data=images, bootstrap=job.bootstrap,
+                                                           **_logprob_args(job)))
     except BaseException:
         for chunks in streams:
             await chunks.aclose()

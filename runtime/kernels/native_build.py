@@ -1,9 +1,18 @@
 """C kernels built once per machine with the system compiler, for the CPU they run on, and cached on disk.
 
-A kernel's library is keyed by its source (and the files beside it that it includes), the compiler, the flags and
-the CPU (-march=native compiles for the CPU at hand), so another machine, flag set or edit builds its own. It is
-compiled into a temporary file and moved into place, so a concurrent start never loads half a file. Without a
-compiler, or where the build fails, load raises OSError or SubprocessError and the caller keeps its torch path.
+A kernel's library is keyed by its source (and the files it includes), the compiler, the flags and the CPU
+(-march=native compiles for the CPU at hand), so another machine, flag set or edit builds its own. It is compiled
+into a temporary file and moved into place, so a concurrent start never loads half a file. Without a compiler, or
+where the build fails, load raises OSError or SubprocessError and the caller keeps its torch path.
+
+Where -fopenmp does not link (clang without libomp), the build is retried with -fopenmp-simd: the sources' vector
+loops as before, their parallel loops on the calling thread (guarded by _OPENMP), and a warning says so. A build
+the compiler refuses is remembered under the library's key (a .failed file beside where the library would be,
+holding the compiler's errors), so later starts report that reason at once instead of compiling again; an edited
+source, another compiler or other flags make another key, which builds afresh.
+
+Each kernel's Python face declares its C entry points once, in a Binding (names, ctypes argument and return
+types, limits, status texts and the structs they take); Binding.bind sets the library's ctypes types from it.
 """
 
 from __future__ import annotations
@@ -27,7 +36,12 @@ if TYPE_CHECKING:
 
 Built = TypeVar("Built")
 
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+logger = logging.getLogger("furcate.native_build")
+
+OPENMP = "-fopenmp"
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", OPENMP, "-shared", "-fPIC")
+# What stands for OPENMP where it does not link: OpenMP's vector pragmas without its runtime library.
+WITHOUT_OPENMP = "-fopenmp-simd"
 
 
 def cache_dir() -> pathlib.Path:
@@ -68,16 +82,74 @@ def library_path(source: pathlib.Path, compiler: str, flags: tuple[str, ...]) ->
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def build(source: pathlib.Path, compiler: str, flags: tuple[str, ...], target: pathlib.Path,
-          libraries: tuple[str, ...] = ()) -> None:
-    """Compile source into target; libraries (-L and -l options) come after the source, where a linker that
-    links only libraries in use (--as-needed) still sees what the source needs from them."""
+class RememberedBuildFailure(subprocess.SubprocessError):
+    """A build that failed at an earlier start, as its marker file remembers it: stderr holds the compiler's
+    errors then."""
+
+    def __init__(self, marker: pathlib.Path, stderr: str) -> None:
+        super().__init__(f"the build failed before (remembered in {marker}): {stderr}")
+        self.marker, self.stderr = marker, stderr
+
+
+def failure_marker(target: pathlib.Path) -> pathlib.Path:
+    """Where a failed build of target is remembered: beside it, under the same key."""
+    return target.with_suffix(".failed")
+
+
+def compile_into(source: pathlib.Path, compiler: str, flags: tuple[str, ...], target: pathlib.Path,
+                 libraries: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = pathlib.Path(scratch) / target.name
         subprocess.run([compiler, *flags, str(source), *libraries, "-o", str(built)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(built, target)
+
+
+def without_openmp(flags: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(WITHOUT_OPENMP if flag == OPENMP else flag for flag in flags)
+
+
+def build(source: pathlib.Path, compiler: str, flags: tuple[str, ...], target: pathlib.Path,
+          libraries: tuple[str, ...] = ()) -> None:
+    """Compile source into target; libraries (-L and -l options) come after the source, where a linker that
+    links only libraries in use (--as-needed) still sees what the source needs from them. Where the compiler's
+    errors speak of OpenMP (no libomp to link, no -fopenmp at all), it is built again without OpenMP."""
+    try:
+        compile_into(source, compiler, flags, target, libraries)
+    except subprocess.CalledProcessError as error:
+        said = [line.strip() for line in (error.stderr or "").splitlines() if "omp" in line.lower()]
+        if OPENMP not in flags or not said:  # errors of the source's own: the same without OpenMP
+            raise
+        logger.warning("%s does not build with OpenMP (%s): built with %s, its loops on one thread", source.name,
+                       said[0], WITHOUT_OPENMP)
+        compile_into(source, compiler, without_openmp(flags), target, libraries)
+
+
+def build_once(source: pathlib.Path, compiler: str, flags: tuple[str, ...], target: pathlib.Path,
+               libraries: tuple[str, ...] = ()) -> None:
+    """build() unless target is built; where the compiler refuses the source, its errors are kept in target's
+    failure marker, and while that is there this raises RememberedBuildFailure without compiling. A compiler that
+    is missing or ran out of time is not remembered: the next start tries again."""
+    if target.exists():
+        return
+    marker = failure_marker(target)
+    if marker.exists():
+        raise RememberedBuildFailure(marker, marker.read_text())
+    try:
+        build(source, compiler, flags, target, libraries)
+    except subprocess.CalledProcessError as error:
+        remember_failure(marker, failure_reason(error))
+        raise
+
+
+def remember_failure(marker: pathlib.Path, reason: str) -> None:
+    """reason written into marker whole (moved into place, as a library is), so a concurrent start never reads
+    half of it."""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=marker.parent, suffix=".tmp", delete=False) as file:
+        file.write(reason)
+    os.replace(file.name, marker)
 
 
 @dataclass(frozen=True)
@@ -112,8 +184,7 @@ def load(source: pathlib.Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
     """source built with FLAGS and extra_flags ($CC, else cc), building it if needed."""
     compiler, flags = os.environ.get("CC", "cc"), FLAGS + extra_flags
     target = library_path(source, compiler, flags)
-    if not target.exists():
-        build(source, compiler, flags, target)
+    build_once(source, compiler, flags, target)
     return ctypes.CDLL(str(target))
 
 
@@ -138,8 +209,7 @@ def load_torch_ops(source: pathlib.Path, linked: tuple[pathlib.Path, ...] = ()) 
     libraries = (*map(str, linked), *(f"-Wl,-rpath,{path.parent}" for path in linked), *torch_libraries)
     compiler, flags = os.environ.get("CXX", "c++"), FLAGS + compile_flags
     target = library_path(source, compiler, flags + libraries)
-    if not target.exists():
-        build(source, compiler, flags, target, libraries)
+    build_once(source, compiler, flags, target, libraries)
     try:
         torch.ops.load_library(str(target))
     except RuntimeError as error:  # the dispatcher refused it (say a schema that disagrees)
@@ -183,5 +253,7 @@ def load_or_reason(variable: str, load: Callable[[], Built], logger: logging.Log
         return load()
     except (OSError, subprocess.SubprocessError) as error:
         reason = failure_reason(error)
-        logger.warning("%s: %s", fallback, reason)
+        remembered = (f" (remembered from an earlier start; remove {error.marker} to build again)"
+                      if isinstance(error, RememberedBuildFailure) else "")
+        logger.warning("%s%s: %s", fallback, remembered, reason)
         return f"could not build or load it: {reason}"

@@ -42,30 +42,14 @@
 
 int block_gemv_isa(void) { return LANES == 16 ? 2 : LANES == 8 ? 1 : 0; }
 
-static inline int position_k(int j) {
-    int lane = j >> 2;
-    return 32 * (lane & 1) + 4 * (lane >> 1) + (j & 3);
-}
-
 /* Bytes of float16 factors a row keeps per pair: two scales, and two offsets unless the rows are symmetric. */
 static inline int factor_bytes(int symmetric) { return symmetric ? 4 : 8; }
-
-static inline float bf16_to_float(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch rounds */
     uint32_t bits;
     memcpy(&bits, &f, 4);
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
-}
-
-static inline float load_x(const void *x_row, int x_bf16, int k) {
-    return x_bf16 ? bf16_to_float(((const uint16_t *)x_row)[k]) : ((const float *)x_row)[k];
 }
 
 /* One row of x (K floats or bfloat16s) -> xq in position order; per pair, LANES floats of dx and of group sums,
@@ -112,6 +96,24 @@ static void quantize_row(const void *x_row, int x_bf16, int K, int8_t *xq, float
     }
 }
 #else
+/* Only this path reads x one number at a time and computes positions (the AVX512 one permutes whole vectors):
+ * defined here, where clang would otherwise warn of unused functions. */
+static inline int position_k(int j) {
+    int lane = j >> 2;
+    return 32 * (lane & 1) + 4 * (lane >> 1) + (j & 3);
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float load_x(const void *x_row, int x_bf16, int k) {
+    return x_bf16 ? bf16_to_float(((const uint16_t *)x_row)[k]) : ((const float *)x_row)[k];
+}
+
 static void quantize_row(const void *x_row, int x_bf16, int K, int8_t *xq, float *dx_lanes, float *sum_lanes) {
     for (int p = 0; p < K / 64; p++) {
         float x[64], dx[2], inverse[2], sum[2];

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from .runtime.config import EngineArgs
     from .runtime.distributed.weight_group import init_weight_group
     from .runtime.engine import Engine
-    from .runtime.engine_rl import serialize_named_tensors
+    from .runtime.engine.rl import serialize_named_tensors
 
 
 # The runtime pulls in torch, the remote backends aiohttp / openai: imported when a user first reaches for them.
@@ -69,7 +69,7 @@ LAZY = {
     "RuntimeEndpoint": "interpreter.backends.endpoint", "Runtime": "interpreter.backends.runtime_server",
     "OpenAI": "interpreter.backends.openai_backend",
     # RL trainers: the HTTP form of update_weights_from_tensor, and the weight group SGLang's trainers join.
-    "serialize_named_tensors": "runtime.engine_rl", "init_weight_group": "runtime.distributed.weight_group",
+    "serialize_named_tensors": "runtime.engine.rl", "init_weight_group": "runtime.distributed.weight_group",
 }
 
 

@@ -250,9 +250,12 @@ class Function:
 
 def function(func: Callable | None = None, num_api_spec_tokens: int | None = None):
     """Decorate a program: `@function` or `@function(num_api_spec_tokens=...)`; its first parameter is `s`."""
+    # Accepted and ignored: programs written for SGLang pass it (its API-model speculative execution), and they
+    # should run unchanged; no backend here speculates for an API model, so the value means nothing.
+    del num_api_spec_tokens
     if func is None:
-        return lambda f: Function(Program(f, num_api_spec_tokens=num_api_spec_tokens))
-    return Function(Program(func, num_api_spec_tokens=num_api_spec_tokens))
+        return lambda f: Function(Program(f))
+    return Function(Program(func))
 
 
 def _check_batch(batch: Any) -> list:

@@ -12,7 +12,6 @@ from typing import Any
 class Program:
     func: Callable[..., Any]
     bound: dict[str, Any] = field(default_factory=dict)
-    num_api_spec_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.func):
@@ -38,7 +37,7 @@ class Program:
         unknown = self._unknown(kwargs)
         if unknown:
             raise TypeError(f"{self.name}() has no parameter(s) {', '.join(unknown)}")
-        return Program(self.func, {**self.bound, **kwargs}, self.num_api_spec_tokens)
+        return Program(self.func, {**self.bound, **kwargs})
 
     def arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Positional and keyword arguments (plus bound ones) as keywords; a mismatch is a TypeError."""

@@ -9,9 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_pool_free
+from furcate.grammars.spec import KINDS
 from furcate.runtime.sampling.params import SamplingParams
 
-FIELDS = [name for name in SamplingParams.__dataclass_fields__ if name != "grammar"]
+# The request's fields: the dataclass's, less the grammar built from the constraint fields, plus those.
+FIELDS = [name for name in SamplingParams.__dataclass_fields__ if name != "grammar"] + list(KINDS)
 SCALARS = (st.none() | st.booleans() | st.integers(min_value=-10**30, max_value=10**30)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
 JSON_LIKE = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)

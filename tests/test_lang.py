@@ -160,3 +160,12 @@ def test_program_arguments_bind_and_mismatch():
         program.bind(c=1)
     with pytest.raises(TypeError, match="first parameter is the state"):
         sgl.function(lambda: None)
+
+
+def test_sglangs_num_api_spec_tokens_is_accepted_and_changes_nothing():
+    """Programs written for SGLang pass it; the program is the one plain `@function` makes."""
+    @sgl.function(num_api_spec_tokens=64)
+    def program(s, a):
+        s += a
+
+    assert program.program == sgl.function(program.program.func).program

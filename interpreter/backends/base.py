@@ -18,9 +18,6 @@ from ..chat_template import ChatTemplate
 class Backend(ABC):
     """What a program runs against. Every method that talks to the model is async."""
 
-    # Optional features a backend serves: "regex", "json_schema", "ebnf", "stop_regex", "logprobs".
-    capabilities: frozenset[str] = frozenset()
-
     @property
     def image_placeholder(self) -> str | None:
         """The text that shows an image in a prompt (a vision-language model's `<image>`); None: no images.

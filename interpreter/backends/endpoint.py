@@ -52,8 +52,6 @@ class RuntimeEndpoint(TokenScoringBackend):
     generation may take as long as it needs).
     """
 
-    capabilities = frozenset({"regex", "json_schema", "ebnf", "stop_regex", "logprobs"})
-
     def __init__(self, base_url: str, api_key: str | None = None, chat_template: str | None = None,
                  timeout: float | None = None) -> None:
         if chat_template is not None and not isinstance(chat_template, str):

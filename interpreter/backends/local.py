@@ -13,8 +13,6 @@ from .base import TokenScoringBackend, first_special_id
 class LocalBackend(TokenScoringBackend):
     """`LocalBackend(engine, chat_template=None)`; `chat_template` (a Jinja string) overrides the model's."""
 
-    capabilities = frozenset({"regex", "json_schema", "ebnf", "stop_regex", "logprobs"})
-
     def __init__(self, engine: Any, chat_template: str | None = None) -> None:
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError("chat_template must be a Jinja template string")

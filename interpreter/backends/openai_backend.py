@@ -77,8 +77,6 @@ class OpenAI(Backend):
             api_key = "EMPTY"  # the client insists on one; a server of one's own without a key ignores it
         self.model_name = model_name
         self.server_extensions = server_extensions
-        self.capabilities = frozenset({"json_schema", "logprobs"} |
-                                      ({"regex", "ebnf", "stop_regex"} if server_extensions else set()))
         self._clients: PerLoop[Any] = PerLoop(
             lambda: openai.AsyncOpenAI(api_key=api_key, base_url=base_url, **client_args), lambda c: c.close())
         self._template = ChatTemplate(JinjaTemplateTokenizer(CHATML))

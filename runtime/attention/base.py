@@ -97,6 +97,20 @@ class AttentionBackend(Protocol):
         ...
 
 
+class PlannedForward:
+    """begin_forward as every backend does it: hold the batch whose layers run next and the metadata
+    init_forward_metadata planned for it, which the per-layer forward calls read (on the forward thread, while the
+    scheduler thread may already plan the next batch)."""
+
+    batch: ForwardBatch | None = None
+    metadata: Any = None
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        assert batch.attn_metadata is not None, "init_forward_metadata must run before the forward"
+        self.batch = batch
+        self.metadata = batch.attn_metadata
+
+
 class GraphAttentionBackend(AttentionBackend, Protocol):
     """A backend whose decode forward can be captured in a CUDA graph (runtime/cuda_graph_runner.py).
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..cache.memory_pool import TokenToKVPool
-from .base import ForwardBatch, ModelAttention
+from .base import ForwardBatch, ModelAttention, PlannedForward
 from .flashinfer_plan import CascadePlan, PagedKVPlan, plan_cascade, plan_paged_kv, select_requests
 from .torch_native import prefix_groups
 
@@ -112,7 +112,7 @@ class GraphState:
     wrappers: dict[int, dict[int | None, Any]] = field(default_factory=dict)  # batch size -> window -> decode
 
 
-class FlashInferAttention:
+class FlashInferAttention(PlannedForward):
     """GraphAttentionBackend over FlashInfer's BatchPrefill/BatchDecodeWithPagedKVCacheWrapper."""
 
     needs_model = True  # select.make_attention_backend passes the model's attention shape
@@ -126,8 +126,6 @@ class FlashInferAttention:
         self.wrapper_sets: tuple[dict, dict] = ({}, {})
         self.next_set = 0
         self.graph: GraphState | None = None
-        self.batch: ForwardBatch | None = None
-        self.metadata: FlashInferMetadata | None = None
 
     # -- planning (scheduler thread) ----------------------------------------------------------------------------
 
@@ -253,11 +251,6 @@ class FlashInferAttention:
         return graph.wrappers[bs]
 
     # -- the forward (forward thread) -------------------------------------------------------------------------------
-
-    def begin_forward(self, batch: ForwardBatch) -> None:
-        assert batch.attn_metadata is not None, "init_forward_metadata must run before the forward"
-        self.batch = batch
-        self.metadata = batch.attn_metadata
 
     def forward(
         self,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..kernels import paged_attention
 from . import paged_table
-from .base import ForwardBatch, ModelAttention
+from .base import ForwardBatch, ModelAttention, PlannedForward
 from .cascade import MIN_SHARED_TOKENS, attend_with_lse, merge, shared_prefix_len
 
 MAX_BUCKETS = 4
@@ -115,14 +115,13 @@ def plan_buckets(seq_lens: list[int], extend_lens: list[int]) -> list[list[int]]
     return best
 
 
-class TorchNativeAttention:
+class TorchNativeAttention(PlannedForward):
     """On a CPU, the batches of a model paged_attention serves read the KV pool through its kernel (no gather,
     no padding); the others are bucketed as the module's docstring says."""
 
     uses_model = True  # select.make_attention_backend passes the model's attention shape
 
     def __init__(self, model: ModelAttention | None = None) -> None:
-        self.batch: ForwardBatch | None = None
         self.buckets: list[Bucket] = []
         self.table: paged_table.PagedTable | None = None
         self.paged = paged_table.serves(model)
@@ -137,11 +136,9 @@ class TorchNativeAttention:
                                for g in groups]
 
     def begin_forward(self, batch: ForwardBatch) -> None:
-        assert batch.attn_metadata is not None, "init_forward_metadata must run before the forward"
-        self.batch = batch
-        planned = batch.attn_metadata
-        self.table = planned if isinstance(planned, paged_table.PagedTable) else None
-        self.buckets = [] if self.table is not None else planned
+        super().begin_forward(batch)
+        self.table = self.metadata if isinstance(self.metadata, paged_table.PagedTable) else None
+        self.buckets = [] if self.table is not None else self.metadata
 
     @staticmethod
     def _bucket(batch: ForwardBatch, reqs: torch.Tensor, starts: torch.Tensor) -> Bucket:

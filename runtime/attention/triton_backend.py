@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ForwardBatch
+from .base import ForwardBatch, PlannedForward
 from .flashinfer_plan import indptr
 from .triton_kernels import decode_attention, extend_attention
 
@@ -58,12 +58,10 @@ class GraphBuffers:
     kv_indices: torch.Tensor  # [max_bs * max_context_len] int64
 
 
-class TritonAttention:
+class TritonAttention(PlannedForward):
     def __init__(self, split_tokens: int = SPLIT_TOKENS, max_kv_splits: int = MAX_KV_SPLITS) -> None:
         self.split_tokens = split_tokens
         self.max_kv_splits = max_kv_splits
-        self.batch: ForwardBatch | None = None
-        self.metadata: TritonMetadata | None = None
         self.graph: GraphBuffers | None = None
 
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int, device: str) -> None:
@@ -101,11 +99,6 @@ class TritonAttention:
             max_extend=max_extend,
             num_kv_splits=num_kv_splits(int(batch.seq_lens.max()), self.split_tokens, self.max_kv_splits),
         )
-
-    def begin_forward(self, batch: ForwardBatch) -> None:
-        assert batch.attn_metadata is not None, "init_forward_metadata must run before the forward"
-        self.batch = batch
-        self.metadata = batch.attn_metadata
 
     def forward(
         self,

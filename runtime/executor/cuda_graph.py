@@ -45,10 +45,6 @@ class PaddedDecode:
     batch: ForwardBatch
     real_size: int
 
-    def unpad(self, out: torch.Tensor) -> torch.Tensor:
-        """The real requests' rows of a per-token output (logits, hidden states); padding rows come last."""
-        return out[: self.real_size]
-
 
 def pad_decode_batch(batch: ForwardBatch, size: int) -> PaddedDecode:
     """The decode batch grown to `size` requests. Each padding row is a one-token request at position 0 whose K/V

@@ -44,11 +44,8 @@ class SamplingParams:
     no_stop_trim: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     sampling_seed: int | None = None
-    # Constraints (at most one): normalized to a GrammarSpec when the request is built.
-    json_schema: Any = None
-    regex: str | None = None
-    ebnf: str | None = None
-    choices: list[str] | None = None
+    # The request's constraint, which from_dict builds from at most one of json_schema, regex, ebnf and choices:
+    # those are request fields only, never kept (a pydantic schema class would not survive the trip to the scheduler).
     grammar: GrammarSpec | None = None
     # Under grammar_backend="auto", serve a constraint that no backend enforces exactly with the closest
     # approximation instead of failing the request.
@@ -60,9 +57,10 @@ class SamplingParams:
         if raw is not None and not isinstance(raw, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(raw).__name__}")
         raw = dict(raw or {})
-        # grammar is derived from the fields below, except that an in-process caller (the interpreter, whose gen
+        # grammar is built from the request's KINDS fields, except that an in-process caller (the interpreter, whose gen
         # built and normalized the spec once) may hand over the GrammarSpec itself; no wire format can carry one.
         built = raw.pop("grammar") if isinstance(raw.get("grammar"), GrammarSpec) else None
+        constraints = {kind: value for kind in KINDS if (value := raw.pop(kind, None)) is not None}
         known = {f.name for f in dataclasses.fields(cls)} - {"grammar"}
         unknown = sorted(str(key) for key in set(raw) - known)
         if unknown:
@@ -80,10 +78,7 @@ class SamplingParams:
             raw["logit_bias"] = _parse_logit_bias(raw["logit_bias"])
         else:
             raw.pop("logit_bias", None)
-        params = cls(**raw)
-        params.grammar = _grammar(params, built)
-        # The spec now lives in `grammar`; a pydantic class would not survive the trip to the scheduler.
-        params.json_schema = params.regex = params.ebnf = params.choices = None
+        params = cls(**raw, grammar=_grammar(constraints, built))
         params.validate()
         return params
 
@@ -156,13 +151,13 @@ def declared_default(name: str) -> Any:
     return None if default is dataclasses.MISSING else default
 
 
-def _grammar(params: SamplingParams, built: GrammarSpec | None) -> GrammarSpec | None:
+def _grammar(constraints: dict[str, Any], built: GrammarSpec | None) -> GrammarSpec | None:
     """The request's one constraint: the spec handed over already built, or built here from its field."""
     if built is None:
-        return GrammarSpec.from_params(params.json_schema, params.regex, params.ebnf, params.choices)
-    given = [kind for kind in KINDS if getattr(params, kind) is not None]
-    if given:
-        raise ValueError(f"give at most one of a built grammar, json_schema, regex, ebnf, choices; got {given}")
+        return GrammarSpec.from_params(**constraints)
+    if constraints:
+        raise ValueError(f"give at most one of a built grammar, json_schema, regex, ebnf, choices; got "
+                         f"{list(constraints)}")
     return built
 
 

@@ -109,11 +109,6 @@ class Req:
         return max(self.params.max_new_tokens - len(self.output_ids), 0)
 
     @property
-    def max_tokens_needed(self) -> int:
-        """KV slots this request can ever hold: the whole prompt plus every output token but the last."""
-        return len(self.input_ids) + max(self.params.max_new_tokens - 1, 0)
-
-    @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and not self.input_logprobs_sent
 

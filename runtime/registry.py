@@ -4,6 +4,11 @@ config validation, CLI `choices` and backend construction all read.
 A kind is named after the EngineArgs/ServerArgs field that picks from it. An entry may name its implementation
 by import path ("package.module:attr"), so registering a backend imports nothing until it is chosen; an entry
 without one is a value that other code interprets (a policy name, "auto").
+
+A pluggable part registers its kind in a module beside its implementations, which config.py imports so validation
+sees every name: attention/select.py, speculative/registry.py, disaggregation/registry.py. Grammar backends are a
+table in grammars/registry.py instead (grammars/ sits below the runtime and cannot import this module); config.py
+registers its names here.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def schema_prompt(tokenizer, schema: dict) -> str:
 
 def validation_error(schema: dict, text: str | None) -> str | None:
     """Why `text` is not an instance of the schema ("" when it is one); None when the schema itself cannot be
-    checked. Independent of the engine's own check (runtime/schema_check.py), which this cross-checks."""
+    checked. Independent of the engine's own check (runtime/engine/schema_check.py), which this cross-checks."""
     if text is None:
         return "no output"
     try:

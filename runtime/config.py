@@ -114,16 +114,16 @@ class EngineArgs:
     # Attention implementation; auto: flashinfer on CUDA when installed, triton on CUDA without it, torch_native
     # elsewhere (only backends this build has are picked).
     attention_backend: str = "auto"
-    # CUDA devices: decode batches replay CUDA graphs captured for a ladder of batch sizes (runtime/cuda_graph.py)
-    # unless disabled; batches above the largest captured size run eagerly. Needs an attention backend with fixed
-    # metadata buffers (flashinfer, triton); not under tensor parallelism.
+    # CUDA devices: decode batches replay CUDA graphs captured for a ladder of batch sizes
+    # (runtime/executor/cuda_graph.py) unless disabled; batches above the largest captured size run eagerly. Needs an
+    # attention backend with fixed metadata buffers (flashinfer, triton); not under tensor parallelism.
     disable_cuda_graph: bool = False
     # Largest decode batch captured; None: 256 (never more than max_running_requests).
     cuda_graph_max_bs: int | None = None
     # CPU: decode batches of up to torch_compile_max_bs requests run as one torch.compile'd graph per batch-size
-    # class (runtime/compiled_decode.py), saved on disk once compiled, so later starts load them in seconds.
+    # class (runtime/executor/compiled_decode.py), saved on disk once compiled, so later starts load them in seconds.
     # Unset: a start that finds no saved graphs decodes eagerly while a low-priority process builds them (for the
-    # default model on 2 cores ~2 min), then switches to them (runtime/graph_builder.py). True: compile at
+    # default model on 2 cores ~2 min), then switches to them (runtime/executor/graph_builder.py). True: compile at
     # start-up instead (~100 s the first time). False: steps always run eagerly. Not under tensor parallelism nor
     # with sliding-window layers.
     enable_torch_compile: bool | None = None

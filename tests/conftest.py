@@ -23,8 +23,9 @@ from furcate.runtime.server.server_process import ServerProcess
 from tiny_models import CONFIGS, build_tiny_model
 
 # The suite's engines decode eagerly unless a test asks for compiled graphs: by default each engine without saved
-# graphs would start a background builder (runtime/graph_builder.py), competing for CI's two cores; set before the
-# first scheduler process starts, since engines' processes inherit it. tests/test_graph_cache.py turns it on.
+# graphs would start a background builder (runtime/executor/graph_builder.py), competing for CI's two cores; set
+# before the first scheduler process starts, since engines' processes inherit it. tests/test_graph_cache.py turns
+# it on.
 os.environ.setdefault("FURCATE_AUTO_COMPILE", "0")
 
 ARCHS = sorted(CONFIGS)

@@ -1,5 +1,5 @@
-"""Large CPU tensors on transparent huge pages (runtime/huge_pages.py): the KV pool's zeros fault in as huge pages,
-loaded weights collapse into them, and nothing changes where the switch or the kernel says no."""
+"""Large CPU tensors on transparent huge pages (runtime/cache/huge_pages.py): the KV pool's zeros fault in as huge
+pages, loaded weights collapse into them, and nothing changes where the switch or the kernel says no."""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ class PlannedForward:
 
 
 class GraphAttentionBackend(AttentionBackend, Protocol):
-    """A backend whose decode forward can be captured in a CUDA graph (runtime/cuda_graph_runner.py).
+    """A backend whose decode forward can be captured in a CUDA graph (runtime/executor/cuda_graph_runner.py).
 
     A graph replays the kernels it captured with the tensors it captured, so for decode batches of a captured
     size the backend keeps its metadata in buffers allocated once per size: each replay rewrites their contents,

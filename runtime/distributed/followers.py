@@ -47,7 +47,7 @@ class FollowerFailed:
 
 @dataclass
 class FollowerCall:
-    """Rank 0 -> follower between steps: run RankControl.<method>(*args) on your rank (scheduler/rank_control.py)."""
+    """Rank 0 -> follower between steps: run RankControl.<method>(*args) on your rank (executor/rank_control.py)."""
 
     method: str
     args: tuple

@@ -1,6 +1,7 @@
 """The Engine's RL calls, with SGLang's names and arguments: weight updates, the trainer's group, memory release,
-pause and continue. Each checks its arguments here (ValueError) and runs on the scheduler between two steps
-(scheduler/weight_sync.py, scheduler/generation_control.py). Updates answer (success, message) as SGLang's do.
+pause and continue. Each checks its arguments here (ValueError), crosses as a typed control call and runs on the
+scheduler between two steps (scheduler/plugins/weight_sync.py, scheduler/plugins/generation_control.py). Updates
+answer (success, message) as SGLang's do.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class DecoderForCausalLM(nn.Module):
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                long_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of embedded tokens x at `positions`: the layers, then the last norm (what a
-        compiled decode step traces, runtime/compiled_decode.py)."""
+        compiled decode step traces, runtime/executor/compiled_decode.py)."""
         rotary = self.model.rotary(positions, x.dtype, long_rows)
         for layer, layer_rotary in zip(self.model.layers, rotary):
             x = layer(x, layer_rotary, attn)

@@ -1,4 +1,4 @@
-"""What the scheduler's Speculator (scheduler/speculation.py) asks of a drafter, whichever algorithm it is."""
+"""What the scheduler's Speculator (scheduler/plugins/speculation.py) asks of a drafter, whichever algorithm it is."""
 
 from __future__ import annotations
 

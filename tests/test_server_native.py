@@ -246,6 +246,18 @@ def test_disconnect_aborts_and_frees_memory(server, stream):
     assert metric(server, aborted) == before + 1  # it was aborted, not run to its last token
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_bootstrap_fields_reach_the_engine_and_a_whole_server_refuses_them(server, stream):
+    """Both routes hand the router's pairing fields to the engine (typed); a server that is neither half of a
+    prefill/decode pair answers 400 naming them, before any stream opens."""
+    generate = post(server, "/generate", {"text": "hi", "sampling_params": GREEDY, "stream": stream,
+                                          "bootstrap_room": 7})
+    completion = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": stream,
+                                                  "bootstrap_host": "127.0.0.1", "bootstrap_room": 7})
+    assert generate.status_code == 400 and "bootstrap_room: bootstrap fields" in generate.text
+    assert completion.status_code == 400 and "bootstrap_host, bootstrap_room: bootstrap fields" in completion.text
+
+
 def test_flush_cache_tokenize_detokenize(server, tokenizer):
     flushed = requests.post(f"{server}/flush_cache", json={"empty_cache": True}, timeout=30)
     assert flushed.status_code == 200 and flushed.json()["success"] is True

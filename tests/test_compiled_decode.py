@@ -5,10 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from conftest import EXACT, NO_GRAMMAR, assert_pool_free, engine_starting, engines_side_by_side
 from furcate import Engine
+from furcate.runtime.attention.base import ForwardBatch
 from furcate.runtime.config import EngineArgs
+from furcate.runtime.executor.batch import ScheduleBatch
+from furcate.runtime.executor.compiled_decode import DecodePlan
+from furcate.runtime.executor.decode_runner import DecodeRunner, claimant
+from furcate.runtime.executor.model_runner import ModelRunner
 from furcate.runtime.model.weights.default_model import find_default_gguf, prepare_user_gguf
 from test_greedy_matches_hf import generate_staggered, make_prompts
 from tiny_gguf import build_tiny_gguf
@@ -118,8 +124,6 @@ def test_a_failed_compile_leaves_decode_eager(tiny_model_dirs, hf_reference, tok
 def test_the_compiled_step_serves_any_pool_size(tiny_model_dirs):
     """The pool's size follows free memory, so it differs from start to start: a graph specialised on it could
     not be saved for the next start. The graph compiled over one pool runs over a pool of another size."""
-    import torch
-
     from furcate.runtime.cache.memory_pool import TokenToKVPool
     from furcate.runtime.executor.compiled_decode import compile_graph
     from furcate.runtime.model.weights.loader import load_model
@@ -147,8 +151,6 @@ def test_a_size_class_of_one_batch_size_compiles_static(tmp_path, private_cache)
     """Where quantization=auto's kernels serve up to 2 rows, the classes are 1, 2 and 3+: the class from 2 holds
     only 2, and its `rows <= 2` pins the batch size, which a dynamic graph refuses. It compiles static, and both
     graphs above batch 1 give the eager step's logits."""
-    import torch
-
     from furcate.runtime.cache.memory_pool import TokenToKVPool
     from furcate.runtime.executor.compiled_decode import compile_graphs, decode_step, size_classes
     from furcate.runtime.executor.serving_model import load_serving_model
@@ -172,3 +174,51 @@ def test_a_size_class_of_one_batch_size_compiles_static(tmp_path, private_cache)
             got = graph(*inputs)
             assert got.shape[0] == bs
             torch.testing.assert_close(got, eager, rtol=0, atol=ACTIVATION_CODING)
+
+
+
+def laid_out(runner: ModelRunner, requests: list[tuple[int, list[int], int]]) -> ScheduleBatch:
+    """A batch over the runner's pools: per request, its request row, its token ids and how many of them have
+    K/V already; the logits of each request's last token."""
+    cached = torch.tensor([done for _, _, done in requests])
+    new = torch.tensor([len(ids) - done for _, ids, done in requests])
+    slots = [runner.kv_pool.alloc(int(n)) for n in new]
+    for (row, ids, done), taken in zip(requests, slots):
+        runner.req_pool.req_to_token[row, done : len(ids)] = taken
+    ends = new.cumsum(0).tolist()
+    forward = ForwardBatch(
+        input_ids=torch.tensor([i for _, ids, done in requests for i in ids[done:]]),
+        positions=torch.cat([torch.arange(done, len(ids)) for _, ids, done in requests]),
+        out_cache_loc=torch.cat(slots), req_pool_indices=torch.tensor([row for row, _, _ in requests]),
+        prefix_lens=cached, extend_lens=new, seq_lens=cached + new, req_to_token_pool=runner.req_pool,
+        token_to_kv_pool=runner.kv_pool)
+    return ScheduleBatch([], forward, [range(end - 1, end) for end in ends])
+
+
+def test_the_first_runner_that_takes_a_batch_runs_it(tiny_model_dirs):
+    """Compiled decode with a graph for batch 1 only: a decode step of one request runs it; a prefill, a
+    one-token prompt and a step of two requests run eagerly. The forward thread finds the runner that planned each
+    batch: one planned eagerly (as before graphs the background build delivered were adopted) stays eager, and
+    gives the compiled step's logits."""
+    args = EngineArgs(device="cpu", **EXACT, **COMPILED, torch_compile_max_bs=1, max_total_tokens=600)
+    runner = ModelRunner(args, str(tiny_model_dirs["llama"]))
+    assert runner.runners == [runner.compiled, runner.eager] and runner.decode_graphs() == "compiled"
+    prompts = {1: [5, 9, 14, 3], 2: [7, 2, 8, 8, 11, 4]}
+
+    def run(requests: list[tuple[int, list[int], int]]) -> tuple[DecodeRunner, torch.Tensor, ForwardBatch]:
+        batch = laid_out(runner, requests)
+        runner.prepare(batch)
+        taker = claimant(runner.runners, batch.forward)
+        return taker, runner.forward(batch), batch.forward
+
+    assert run([(row, ids, 0) for row, ids in prompts.items()])[0] is runner.eager
+    assert run([(3, [21], 0)])[0] is runner.eager  # a context of one: no graph is traced for it
+    assert run([(row, ids + [30], len(ids)) for row, ids in prompts.items()])[0] is runner.eager
+    step = (1, prompts[1] + [30, 31], 5)
+    taker, logits, forward = run([step])
+    assert taker is runner.compiled and isinstance(forward.attn_metadata, DecodePlan)
+    assert runner.compiled.calls == 1 and runner.forward_calls == 4
+    planned_eagerly = laid_out(runner, [step]).forward
+    runner.eager.prepare(planned_eagerly)
+    assert claimant(runner.runners, planned_eagerly) is runner.eager
+    torch.testing.assert_close(runner.eager.run(planned_eagerly, torch.tensor([0])), logits, rtol=1e-4, atol=1e-4)

@@ -33,7 +33,7 @@ class BootstrapFields:
         """SGLang's bootstrap_host, bootstrap_port and bootstrap_room keywords; None when none has a value."""
         unknown = sorted(set(keywords) - set(BOOTSTRAP_KEYWORDS))
         if unknown:
-            raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
         fields = cls(*(keywords.get(name) for name in BOOTSTRAP_KEYWORDS))
         return fields if fields.given() else None
 

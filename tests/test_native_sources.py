@@ -126,6 +126,12 @@ def test_a_refused_build_is_remembered_and_not_compiled_again(tmp_path, monkeypa
     assert second == first and len(calls(tmp_path)) == 1  # the same reason, and the compiler never ran again
     source.write_text("int broken(void) { return 0; }\n")  # an edit is another key: built afresh
     assert native_build.load(source).broken() == 0 and len(calls(tmp_path)) == 2
+    source.write_text("int broken(void) { return undeclared; }\n")
+    compiler.write_text(compiler.read_text() + "# upgraded\n")  # another compiler under the same name: tried again
+    assert native_build.library_path(source, str(compiler), native_build.FLAGS) != target
+    with pytest.raises(subprocess.CalledProcessError):
+        native_build.load(source)
+    assert len(calls(tmp_path)) == 3
 
 
 def test_without_openmp_a_kernel_builds_serially_and_says_so(tmp_path, monkeypatch, caplog):

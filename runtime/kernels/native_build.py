@@ -1,9 +1,10 @@
 """C kernels built once per machine with the system compiler, for the CPU they run on, and cached on disk.
 
-A kernel's library is keyed by its source (and the files it includes), the compiler, the flags and the CPU
-(-march=native compiles for the CPU at hand), so another machine, flag set or edit builds its own. It is compiled
-into a temporary file and moved into place, so a concurrent start never loads half a file. Without a compiler, or
-where the build fails, load raises OSError or SubprocessError and the caller keeps its torch path.
+A kernel's library is keyed by its source (and the files it includes), the compiler (the file it runs), the flags
+and the CPU (-march=native compiles for the CPU at hand), so another machine, compiler, flag set or edit builds its
+own. It is compiled into a temporary file and moved into place, so a concurrent start never loads half a file.
+Without a compiler, or where the build fails, load raises OSError or SubprocessError and the caller keeps its torch
+path.
 
 Where -fopenmp does not link (clang without libomp), the build is retried with -fopenmp-simd: the sources' vector
 loops as before, their parallel loops on the calling thread (guarded by _OPENMP), and a warning says so. A build
@@ -23,6 +24,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Mapping
@@ -77,8 +79,26 @@ def source_texts(source: pathlib.Path) -> list[str]:
     return [path.read_text() for path in included_files(source)]
 
 
+def compiler_identity(compiler: str) -> str:
+    """compiler's name and the file it runs (links followed), with its size and time: an upgraded compiler under
+    the same name is another key, so a build it refused before is tried again. Just the name where it is not
+    found (the build then fails, and is not remembered)."""
+    found = shutil.which(compiler)
+    if found is None:
+        return compiler
+    path = pathlib.Path(found).resolve()
+    try:
+        facts = path.stat()
+    except OSError:
+        return compiler
+    return f"{compiler}\0{path}\0{facts.st_size}\0{facts.st_mtime_ns}"
+
+
 def library_path(source: pathlib.Path, compiler: str, flags: tuple[str, ...]) -> pathlib.Path:
-    key = hashlib.sha256("\0".join([*source_texts(source), compiler, *flags, cpu_signature()]).encode())
+    """Where source's library built by compiler with flags lies, keyed by what it is built from (its failure
+    marker beside it)."""
+    parts = [*source_texts(source), compiler_identity(compiler), *flags, cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode())
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 

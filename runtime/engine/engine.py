@@ -13,7 +13,7 @@ import queue
 import subprocess
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, Literal, Unpack, overload
 
@@ -26,7 +26,16 @@ from ..multimodal.prompt import ImagePrompts
 from ..speculative.draft_check import prepare_draft_model
 from ..wire.control_calls import CheckIntegrity, FlushCache, GetStats, Shutdown
 from ..wire.messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
-from .generate_request import BootstrapFields, GenerateOptions, GenerateRequest, Output, SamplingArg, bootstrap_of
+from .generate_request import (
+    AsyncChunks,
+    BootstrapFields,
+    Chunks,
+    GenerateOptions,
+    GenerateRequest,
+    Output,
+    SamplingArg,
+    bootstrap_of,
+)
 from .launch import start_scheduler_process, started_one
 from .request_builder import RequestBuilder
 from .request_state import RequestState
@@ -62,12 +71,12 @@ class _Reader:
         if not self.state.finished:  # closed early, cancelled or timed out: nobody waits any more
             self.abandon(self.state)
 
-    def chunks(self, get: Callable[[], Output | Exception]) -> Iterator[Output]:
+    def chunks(self, get: Callable[[], Output | Exception]) -> Chunks:
         with self:
             while not self.done:
                 yield self.take(get())
 
-    async def async_chunks(self, get: Callable[[], Awaitable[Output | Exception]]) -> AsyncGenerator[Output, None]:
+    async def async_chunks(self, get: Callable[[], Awaitable[Output | Exception]]) -> AsyncChunks:
         with self:  # the same loop as chunks(), awaiting each item
             while not self.done:
                 yield self.take(await get())
@@ -124,7 +133,7 @@ class Engine(EngineRl):
     @overload
     def generate(self, prompt: str | None = None, sampling_params: SamplingArg = None,
                  input_ids: list[int] | None = None, *, stream: Literal[True],
-                 **options: Unpack[GenerateOptions]) -> Iterator[Output]: ...
+                 **options: Unpack[GenerateOptions]) -> Chunks: ...
 
     @overload
     def generate(self, prompt: list[str] | None = None, sampling_params: SamplingArg = None,
@@ -139,23 +148,24 @@ class Engine(EngineRl):
     @overload
     def generate(self, prompt: str | list[str] | None = None, sampling_params: SamplingArg = None,
                  input_ids: list[int] | list[list[int]] | None = None, *, stream: bool = False,
-                 **options: Unpack[GenerateOptions]) -> Output | list[Output] | Iterator[Output]: ...
+                 **options: Unpack[GenerateOptions]) -> Output | list[Output] | Chunks: ...
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: SamplingArg = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  stream: bool = False, rid: str | None = None, timeout: float | None = None, image_data: Any = None,
                  *, bootstrap: BootstrapFields | None = None,
-                 **disaggregation: Any) -> Output | list[Output] | Iterator[Output]:
+                 **disaggregation: Any) -> Output | list[Output] | Chunks:
         """Generate for one prompt (returns a dict; a list of n with n > 1) or a list of prompts (returns a list, n
         results per prompt, in order).
 
-        With stream=True (one prompt, n=1) returns an iterator of chunks: `text` is cumulative, logprob lists
-        hold only the new entries. With `timeout` (seconds, not for streams) requests still unfinished then are
-        aborted and TimeoutError is raised. `image_data` (vision-language models): one image per prompt or a list
-        per prompt, each a path, bytes, a PIL image, a base64 string or a data: URL, shown where the prompt has the
-        model's image placeholder. `bootstrap` pairs a request's halves on prefill and decode engines
-        (disaggregation_mode); SGLang's bootstrap_host, bootstrap_port and bootstrap_room keywords do the same.
+        With stream=True (one prompt, n=1) returns a generator of chunks: `text` is cumulative, logprob lists
+        hold only the new entries; closing it early aborts the request. With `timeout` (seconds, not for streams)
+        requests still unfinished then are aborted and TimeoutError is raised. `image_data` (vision-language
+        models): one image per prompt or a list per prompt, each a path, bytes, a PIL image, a base64 string or a
+        data: URL, shown where the prompt has the model's image placeholder. `bootstrap` pairs a request's halves
+        on prefill and decode engines (disaggregation_mode); SGLang's bootstrap_host, bootstrap_port and
+        bootstrap_room keywords do the same.
         """
         return self._generate(GenerateRequest(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                               top_logprobs_num, return_text_in_logprobs, stream, rid, timeout,
@@ -164,7 +174,7 @@ class Engine(EngineRl):
     @overload
     async def async_generate(self, prompt: str | None = None, sampling_params: SamplingArg = None,
                              input_ids: list[int] | None = None, *, stream: Literal[True],
-                             **options: Unpack[GenerateOptions]) -> AsyncIterator[Output]: ...
+                             **options: Unpack[GenerateOptions]) -> AsyncChunks: ...
 
     @overload
     async def async_generate(self, prompt: list[str] | None = None, sampling_params: SamplingArg = None,
@@ -179,8 +189,7 @@ class Engine(EngineRl):
     @overload
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: SamplingArg = None,
                              input_ids: list[int] | list[list[int]] | None = None, *, stream: bool = False,
-                             **options: Unpack[GenerateOptions]) -> Output | list[Output] | AsyncIterator[Output]:
-        ...
+                             **options: Unpack[GenerateOptions]) -> Output | list[Output] | AsyncChunks: ...
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: SamplingArg = None,
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
@@ -188,8 +197,9 @@ class Engine(EngineRl):
                              return_text_in_logprobs: bool = False, stream: bool = False, rid: str | None = None,
                              timeout: float | None = None, image_data: Any = None, *,
                              bootstrap: BootstrapFields | None = None,
-                             **disaggregation: Any) -> Output | list[Output] | AsyncIterator[Output]:
-        """Async twin of generate(); with stream=True returns an async iterator of chunks."""
+                             **disaggregation: Any) -> Output | list[Output] | AsyncChunks:
+        """Async twin of generate(); with stream=True returns an async generator of chunks (aclose() it to stop
+        early), whose request is sent when it is first read."""
         return await self._async_generate(GenerateRequest(
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
             return_text_in_logprobs, stream, rid, timeout, image_data, bootstrap_of(bootstrap, disaggregation)))
@@ -302,7 +312,7 @@ class Engine(EngineRl):
         if self._dead is None and not self._closed:
             self._send(AbortReq(state.req.rid))
 
-    def _generate(self, call: GenerateRequest) -> Output | list[Output] | Iterator[Output]:
+    def _generate(self, call: GenerateRequest) -> Output | list[Output] | Chunks:
         deadline = None if call.timeout is None else time.monotonic() + call.timeout  # tokenizing counts too
         reqs, single = self.builder.build(call)
         self._check_capacity(len(reqs))
@@ -331,7 +341,7 @@ class Engine(EngineRl):
             raise TimeoutError(f"request {reader.state.req.rid} did not finish in time") from None
         return reader.take(item)
 
-    async def _async_generate(self, call: GenerateRequest) -> Output | list[Output] | AsyncIterator[Output]:
+    async def _async_generate(self, call: GenerateRequest) -> Output | list[Output] | AsyncChunks:
         if call.texts is None and call.image_data is None:  # token ids: nothing slow to do
             reqs, single = self.builder.build(call)
         else:  # tokenizing a long prompt must not stall every other coroutine on this loop (fast tokenizers
@@ -355,7 +365,7 @@ class Engine(EngineRl):
         with _Reader(state, self._abandon) as reader:  # cancelled: leaving the reader aborts the request
             return reader.take(await sink.get())
 
-    async def _stream_async(self, req: TokenizedGenerateReq, return_text: bool) -> AsyncIterator[Output]:
+    async def _stream_async(self, req: TokenizedGenerateReq, return_text: bool) -> AsyncChunks:
         """Submitted on the first read: a stream nobody reads never runs."""
         state, sink = self._submit_async(req, return_text)
         async with contextlib.aclosing(_Reader(state, self._abandon).async_chunks(sink.get)) as chunks:

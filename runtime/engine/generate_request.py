@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numbers
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Generator, Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any, TypedDict
 
@@ -15,6 +15,8 @@ MAX_REQUESTS_PER_CALL = 8192
 BOOTSTRAP_KEYWORDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 Output = dict[str, Any]  # one result or one streamed chunk: text, output_ids and meta_info
+Chunks = Generator[Output, None, None]  # a sync stream: close() it to stop early (the request is aborted)
+AsyncChunks = AsyncGenerator[Output, None]  # an async stream: aclose() it to stop early
 SamplingArg = dict[str, Any] | list[dict[str, Any]] | None  # one dict for every prompt, or one per prompt
 
 

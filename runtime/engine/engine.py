@@ -94,7 +94,7 @@ def image_prompts(model_path: str, args: EngineArgs, vocab_size: int) -> ImagePr
 
 class Engine(EngineRl):
     """`Engine(model_path="default", **engine_args)`; see EngineArgs for the arguments. The RL calls (weight
-    updates, memory release, pause) are in engine_rl.py."""
+    updates, memory release, pause) are in rl.py."""
 
     def __init__(self, model_path: str = "default", **kwargs: Any) -> None:
         self.args = EngineArgs(model_path=model_path, **kwargs)

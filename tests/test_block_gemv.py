@@ -149,8 +149,9 @@ def test_without_a_cpp_compiler_the_ops_run_their_python_kernels(tmp_path):
     """The C kernels build, the ops' C++ kernels cannot: every op computes the same through its Python kernel, and
     compiled decode keeps torch's int4 kernel for 4-bit layers."""
     script = ("import torch\n"
-              "from furcate.runtime.model import block_gemv, quantized, packed_linear\n"
-              "from furcate.runtime.attention import paged_attention\n"
+              "from furcate.runtime.kernels import block_gemv, paged_attention\n"
+              "from furcate.runtime.model import packed_linear\n"
+              "from furcate.runtime.model.weights import quantized\n"
               "import numpy as np\n"
               "w = quantized.BlockWeights('Q4_1', np.ones((16, 64), np.int32), np.ones((16, 2), np.float32),"
               " np.zeros((16, 2), np.float32))\n"
@@ -178,7 +179,8 @@ def test_without_a_cpp_compiler_the_ops_run_their_python_kernels(tmp_path):
 
 
 def test_without_a_compiler_the_engine_keeps_torch_kernels(tmp_path):
-    script = ("from furcate.runtime.model import block_gemv, quantized\n"
+    script = ("from furcate.runtime.kernels import block_gemv\n"
+              "from furcate.runtime.model.weights import quantized\n"
               "import numpy as np\n"
               "print(block_gemv.available(), block_gemv.isa()[:26])\n"
               "w = quantized.BlockWeights('Q4_1', np.zeros((16, 64), np.int32), np.ones((16, 2), np.float32),"

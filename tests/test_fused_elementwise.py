@@ -150,7 +150,7 @@ def test_layers_take_the_kernels_only_where_they_serve():
 
 
 def test_turned_off_by_its_variable():
-    code = "from furcate.runtime.model import fused_elementwise as f; print(f.available(), f.library())"
+    code = "from furcate.runtime.kernels import fused_elementwise as f; print(f.available(), f.library())"
     env = {**os.environ, "FURCATE_FUSED_ELEMENTWISE": "0"}
     shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert shown.stdout.strip() == "False turned off by FURCATE_FUSED_ELEMENTWISE=0"

@@ -34,8 +34,17 @@ registry.register_names("grammar_backend", GRAMMAR_BACKENDS)
 registry.register_names("router_policy", ("cache_aware", "round_robin", "power_of_two", "random"))
 registry.register_names("tool_call_parser", PARSER_NAMES)
 registry.register_names("reasoning_parser", (*REASONING_FORMATS, "none"))
+registry.register_names("packed_linear", ("auto", "on", "off"))
+registry.register_names("dense_gemv", ("auto", "on", "off"))
 ENGINE_CHOICE_FIELDS = ("dtype", "quantization", "schedule_policy", "grammar_backend", DISAGGREGATION_MODE,
-                        DISAGGREGATION_TRANSFER_BACKEND)
+                        DISAGGREGATION_TRANSFER_BACKEND, "packed_linear", "dense_gemv")
+# The CPU kernel switches: each field's environment variable, which overrides the field where it is set (0 or 1).
+KERNEL_SWITCHES = {"paged_attention_kernel": "FURCATE_PAGED_ATTENTION",
+                   "fused_elementwise_kernel": "FURCATE_FUSED_ELEMENTWISE", "block_gemv_kernel": "FURCATE_BLOCK_GEMV",
+                   "native_ops": "FURCATE_NATIVE_OPS", "huge_pages": "FURCATE_HUGE_PAGES",
+                   "packed_linear": "FURCATE_PACKED_LINEAR", "dense_gemv": "FURCATE_DENSE_GEMV"}
+# What a switch sets its variable to; the defaults (True, "auto") leave it unset, as the kernels' own defaults are.
+SWITCH_VALUES = {False: "0", "off": "0", "on": "1"}
 PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path")
 
 
@@ -128,6 +137,25 @@ class EngineArgs:
     # with sliding-window layers.
     enable_torch_compile: bool | None = None
     torch_compile_max_bs: int = 32
+    # CPU kernels (docs/engine.md, "CPU kernel switches"), each on where it builds and pays; off keeps torch's path.
+    # The environment variable of each (FURCATE_PAGED_ATTENTION, ...), set to 0 or 1, overrides the argument.
+    # Attention read straight from the paged KV pool (C kernel), float32 and bfloat16 CPU batches.
+    paged_attention_kernel: bool = True
+    # RMSNorm, the SiLU-gated product and rotary in one pass each (C kernel), eager CPU forwards.
+    fused_elementwise_kernel: bool = True
+    # GGUF 4-bit and 8-bit weights through the block GEMV kernel (C); off: torch's int4 / int8 kernels.
+    block_gemv_kernel: bool = True
+    # The C++ kernels of furcate's torch ops (a compiled graph calls them without a trip into Python); off: their
+    # Python kernels, with the same results.
+    native_ops: bool = True
+    # Large CPU tensors (KV pool, weights) on transparent huge pages.
+    huge_pages: bool = True
+    # CPU linears through oneDNN with weights reordered once: auto packs bfloat16 always and float32 where measured
+    # faster; on packs float32 too, from one row, without measuring; off packs nothing.
+    packed_linear: str = "auto"
+    # One-row linears through the dense GEMV: auto where measured faster than the packed copy; on wherever it takes
+    # the shape; off never.
+    dense_gemv: str = "auto"
     # Seed of the scheduler's sampling generator (requests may carry their own sampling_seed).
     random_seed: int = 0
     # torch threads in the scheduler process (and in each tensor-parallel rank); defaults to every core, shared
@@ -208,6 +236,9 @@ class EngineArgs:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
+        for name in KERNEL_SWITCHES:
+            if not registry.is_kind(name) and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self._validate_disaggregation()
         self._validate_speculative()
         for name in ("max_image_pixels", "max_images_per_request"):
@@ -268,6 +299,13 @@ class EngineArgs:
     @property
     def draft_quantization(self) -> str:
         return self.speculative_draft_model_quantization or self.quantization
+
+    def kernel_environment(self) -> dict[str, str]:
+        """The kernel switches as the variables the kernels read, where the environment does not set them already
+        (the scheduler process applies these before any kernel loads, and its children inherit them)."""
+        values = {variable: SWITCH_VALUES.get(getattr(self, name)) for name, variable in KERNEL_SWITCHES.items()}
+        return {variable: value for variable, value in values.items()
+                if value is not None and variable not in os.environ}
 
     @property
     def num_threads(self) -> int:

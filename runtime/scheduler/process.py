@@ -23,6 +23,7 @@ def serve(conn: Connection) -> None:
 
     args, model_path, tokenizer_path = conn.recv()
     args = dataclasses.replace(args, device=resolve_device(args.device))  # once, for this process and its ranks
+    os.environ.update(args.kernel_environment())  # before any kernel loads; the ranks and graph builder inherit it
     # Tensor-parallel followers import torch and the model code while this process does the same.
     followers = spawn_followers(args.tp_size - 1) if args.tp_size > 1 else None
 

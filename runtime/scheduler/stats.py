@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ..kernels import fused_elementwise, paged_attention
 from ..wire.control_calls import CheckIntegrity, GetStats
 from .plugins.base import SchedulerHandle, SchedulerPlugin
 from .plugins.rpc import Handler
@@ -49,10 +50,19 @@ def stats(s: Counted) -> dict[str, Any]:
         "jumped_tokens": s.jumped_tokens,
         "transfers_in_flight": len(s.held_requests()),
         "images_encoded": runner.images.encoded_images if runner.images is not None else 0,
+        "native_kernels": native_kernels(s.args.device),
     }
     for plugin in s.plugins:
         counters.update(plugin.stats())
     return counters
+
+
+def native_kernels(device: str) -> dict[str, bool]:
+    """On a CPU, which C kernels this process runs (a switch turned off, or a build that failed, keeps torch's
+    path; both are decided once, when the model first ran)."""
+    if device != "cpu":
+        return {}
+    return {"paged_attention": paged_attention.available(), "fused_elementwise": fused_elementwise.available()}
 
 
 def check_integrity(s: Counted) -> bool:

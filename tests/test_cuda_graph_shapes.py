@@ -74,15 +74,15 @@ def test_padding_a_decode_batch_leaves_the_real_rows_outputs_and_live_kv_alone(s
     padded = pad_decode_batch(batch, size)
     extra = size - real
     assert extra == {1: 0, 3: 1, 5: 3, 6: 2, 4: 0}[real]
-    assert padded.batch.batch_size == size and padded.batch.attn_metadata is None
-    assert padded.batch.out_cache_loc[real:].tolist() == [0] * extra
-    assert padded.batch.seq_lens[real:].tolist() == [1] * extra
-    assert torch.equal(padded.batch.seq_lens, padded.batch.prefix_lens + padded.batch.extend_lens)
+    assert padded.batch_size == size and padded.attn_metadata is None
+    assert padded.out_cache_loc[real:].tolist() == [0] * extra
+    assert padded.seq_lens[real:].tolist() == [1] * extra
+    assert torch.equal(padded.seq_lens, padded.prefix_lens + padded.extend_lens)
     noise = [torch.randn(extra, *t.shape[1:]) for t in (q, k, v)]
-    out = _forward(padded.batch, *(torch.cat([t, n]) for t, n in zip((q, k, v), noise)))
+    out = _forward(padded, *(torch.cat([t, n]) for t, n in zip((q, k, v), noise)))
     assert out.shape[0] == size
     # The runner reads logits at the real requests' rows (ScheduleBatch.logit_ranges): padding rows come after them.
-    real_rows = torch.arange(padded.real_size)
+    real_rows = torch.arange(real)
     assert torch.allclose(out[real_rows], expected, atol=1e-5)
     assert torch.equal(batch.token_to_kv_pool.k_buffer[0][1:], live_k)  # padding wrote only slot 0
 
@@ -106,7 +106,7 @@ def test_triton_plans_a_captured_decode_batch_into_fixed_buffers():
     rng = random.Random(0)
     addresses = set()
     for shapes in ([(5, 1), (40, 1), (1, 1), (17, 1)], [(60, 1), (2, 1), (0, 1), (33, 1)]):
-        batch = pad_decode_batch(make_batch(rng, 1, shapes), 4).batch
+        batch = pad_decode_batch(make_batch(rng, 1, shapes), 4)
         expected = eager_metadata(TritonAttention(), batch)
         backend.init_forward_metadata_graph(batch)
         planned = batch.attn_metadata

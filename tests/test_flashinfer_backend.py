@@ -208,9 +208,9 @@ def test_graph_decode_plans_into_fixed_buffers_per_batch_size(fake_flashinfer, w
         batch = make_batch(shapes, None, kv_heads, dtype, device, seed=seed)
         reference = Reference(batch)
         padded = pad_decode_batch(batch, padded_batch_size(sizes, real))
-        backend.init_forward_metadata_graph(padded.batch)
-        run_layers(backend, padded.batch, reference, layer_windows, kv_heads, dtype, device, rows=real, seed=seed)
-        size = padded.batch.batch_size
+        backend.init_forward_metadata_graph(padded)
+        run_layers(backend, padded, reference, layer_windows, kv_heads, dtype, device, rows=real, seed=seed)
+        size = padded.batch_size
         wrappers = backend.graph.wrappers[size]
         assert seen.setdefault(size, wrappers) is wrappers  # a size's wrappers (and buffers) are made once
         assert set(wrappers) == set(layer_windows)
@@ -302,7 +302,7 @@ def _record_every_kind_of_call(recorder: Recorder) -> None:
     backend = FlashInferAttention(model(torch.bfloat16, (None, WINDOW)))
     backend.init_cuda_graph_state(max_bs=4, max_context_len=CONTEXT, device="cpu")
     batch = make_batch([(7, 1), (20, 1), (3, 1)], None, 2, torch.bfloat16, "cpu")
-    backend.init_forward_metadata_graph(pad_decode_batch(batch, 4).batch)
+    backend.init_forward_metadata_graph(pad_decode_batch(batch, 4))
 
 
 @pytest.mark.skipif(not FLASHINFER_INSTALLED, reason="binds our calls to the installed flashinfer's signatures")
@@ -360,7 +360,7 @@ def test_a_captured_decode_graph_replays_new_batches_of_its_size(windows):
         batch = make_batch([(9 + 11 * i + seed, 1) for i in range(real)], None, kv_heads, dtype, device, seed,
                            kv_pool)
         reference = Reference(batch)
-        padded = pad_decode_batch(batch, size).batch
+        padded = pad_decode_batch(batch, size)
         padded.out_cache_loc = static_loc.copy_(padded.out_cache_loc)
         backend.init_forward_metadata_graph(padded)
         backend.begin_forward(padded)

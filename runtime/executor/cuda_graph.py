@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
@@ -40,13 +39,7 @@ def padded_batch_size(sizes: list[int], n: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-@dataclass
-class PaddedDecode:
-    batch: ForwardBatch
-    real_size: int
-
-
-def pad_decode_batch(batch: ForwardBatch, size: int) -> PaddedDecode:
+def pad_decode_batch(batch: ForwardBatch, size: int) -> ForwardBatch:
     """The decode batch grown to `size` requests. Each padding row is a one-token request at position 0 whose K/V
     goes to KV slot 0, which the pool never hands out, so it overwrites nothing live. Its req_pool_indices is
     row 0: it reads one table entry, whatever that holds, and its output is dropped."""
@@ -73,4 +66,4 @@ def pad_decode_batch(batch: ForwardBatch, size: int) -> PaddedDecode:
         attn_metadata=None,
         tp_table=None,
     )
-    return PaddedDecode(padded, real)
+    return padded

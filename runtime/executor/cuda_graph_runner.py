@@ -92,7 +92,7 @@ class CudaGraphRunner:
         if not one_token_each(forward):
             return forward
         size = padded_batch_size(self.sizes, forward.batch_size)
-        return forward if size is None else pad_decode_batch(forward, size).batch
+        return forward if size is None else pad_decode_batch(forward, size)
 
     def can_replay(self, forward: ForwardBatch) -> bool:
         return forward.batch_size in self.graphs and one_token_each(forward)

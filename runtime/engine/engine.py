@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import queue
 import subprocess
-import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
 from typing import Any, Literal, Unpack, overload
 
 from transformers import AutoTokenizer
@@ -25,7 +22,7 @@ from ..multimodal.images import ImageLimits
 from ..multimodal.prompt import ImagePrompts
 from ..speculative.draft_check import prepare_draft_model
 from ..wire.control_calls import CheckIntegrity, FlushCache, GetStats, Shutdown
-from ..wire.messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady, TokenizedGenerateReq
+from ..wire.messages import AbortReq, TokenizedGenerateReq
 from .generate_request import (
     AsyncChunks,
     BootstrapFields,
@@ -37,6 +34,7 @@ from .generate_request import (
     bootstrap_of,
 )
 from .launch import start_scheduler_process, started_one
+from .link import SchedulerLink
 from .request_builder import RequestBuilder
 from .request_state import RequestState
 from .rl import EngineRl
@@ -103,12 +101,12 @@ class Engine(EngineRl):
             check_tp_size(load_config(self.model_path), self.args.tp_size)
         self.args = prepare_draft_model(self.args, self.model_path)  # STANDALONE: a bad draft model fails here
         self.tokenizer_path = self.args.tokenizer_path or self.model_path
-        self._send_lock = threading.Lock()
-        self._process, self._conn = start_scheduler_process()
-        self._send((self.args, self.model_path, self.tokenizer_path))
+        self._process, conn = start_scheduler_process()
+        self._link = SchedulerLink(self._process, conn)
+        self._link.send((self.args, self.model_path, self.tokenizer_path))
         try:  # the tokenizer loads here while the scheduler process imports torch
             self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            self.info = self._wait_ready()
+            self.info = self._link.wait_ready(STARTUP_TIMEOUT_S)
         except BaseException:
             self._process.kill()
             self._process.wait()
@@ -116,17 +114,10 @@ class Engine(EngineRl):
         started_one()
         self.builder = RequestBuilder(self.tokenizer, self.info, image_prompts(self.model_path, self.args,
                                                                                self.info.vocab_size))
-        self._states: dict[str, RequestState] = {}
-        self._rpc_waiters: dict[int, Future] = {}
-        self._call_ids = itertools.count()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._dead: Exception | None = None  # set once the scheduler process or its connection is gone
         self.schema_checker = SchemaChecker()  # validates finished json_schema outputs on the receiver thread
         # Called (on the receiver thread) with each request's RequestState when it ends: the server's metrics.
-        self.request_observers: list[Callable[[RequestState], None]] = []
-        self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="furcate-receiver")
-        self._receiver.start()
+        self.request_observers: list[Callable[[RequestState], None]] = self._link.observers
+        self._link.receiver.start()
 
     # -- public API ---------------------------------------------------------------------------------------
 
@@ -223,14 +214,12 @@ class Engine(EngineRl):
 
     def abort(self, rid: str) -> None:
         """Abort request `rid`, and the requests a list or n > 1 call derived from it (`rid-i-j`)."""
-        with self._lock:
-            derived = [r for r in self._states if r.startswith(f"{rid}-")]
+        derived = [r for r in self._link.in_flight() if r.startswith(f"{rid}-")]
         for one in [rid, *derived]:
-            self._send(AbortReq(one))
+            self._link.send(AbortReq(one))
 
     def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._states)
+        return len(self._link.in_flight())
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler counters (forward time, KV pool occupancy, running and waiting requests) and this side's
@@ -250,18 +239,17 @@ class Engine(EngineRl):
         return self._rpc(CheckIntegrity())
 
     def shutdown(self) -> None:
-        if self._closed:
+        if self._link.closed:
             return
-        self._closed = True
-        if self._process.poll() is None and self._dead is None:
+        self._link.closed = True
+        if self._process.poll() is None and self._link.dead is None:
             try:
                 self._rpc(Shutdown(), timeout=30)
                 self._process.wait(timeout=10)
             except (RuntimeError, OSError, TimeoutError, subprocess.TimeoutExpired):
                 self._process.kill()
                 self._process.wait()
-        self._conn.close()
-        self._fail_all(RuntimeError("engine was shut down"))
+        self._link.close(RuntimeError("engine was shut down"))
 
     def __enter__(self) -> Engine:
         return self
@@ -270,15 +258,16 @@ class Engine(EngineRl):
         self.shutdown()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        link = getattr(self, "_link", None)
+        if link is not None and link.receiver.ident is not None and not link.closed:  # started, not shut down
             self.shutdown()
 
     # -- plumbing -----------------------------------------------------------------------------------------
 
     def is_alive(self) -> bool:
         """True while the engine can serve: not shut down, scheduler process running, receiver listening."""
-        return (not self._closed and self._dead is None and self._process.poll() is None
-                and self._receiver.is_alive())
+        link = self._link
+        return not link.closed and link.dead is None and self._process.poll() is None and link.receiver.is_alive()
 
     def _check_capacity(self, count: int) -> None:
         """Refuse a call at once, all of it, when its requests would queue past max_queued_requests."""
@@ -292,25 +281,12 @@ class Engine(EngineRl):
                                  f" with max_queued_requests={limit}); retry later")
 
     def _submit(self, req: TokenizedGenerateReq, return_text: bool, sink) -> RequestState:
-        if self._closed:
-            raise RuntimeError("engine is shut down")
-        if self._dead is not None:
-            raise RuntimeError(f"engine cannot serve: {self._dead}")
         state = RequestState(req, self.tokenizer, return_text, sink, self.schema_checker)
-        with self._lock:
-            if req.rid in self._states:
-                raise ValueError(f"rid {req.rid!r} is already in flight")
-            self._states[req.rid] = state
-        self._send(req)
+        self._link.submit(state)
         return state
 
     def _abandon(self, state: RequestState) -> None:
-        """Nobody waits for this request any more: forget it here (later outputs are dropped) and abort it."""
-        with self._lock:
-            self._states.pop(state.req.rid, None)
-        self._observe(state)
-        if self._dead is None and not self._closed:
-            self._send(AbortReq(state.req.rid))
+        self._link.abandon(state)
 
     def _generate(self, call: GenerateRequest) -> Output | list[Output] | Chunks:
         deadline = None if call.timeout is None else time.monotonic() + call.timeout  # tokenizing counts too
@@ -385,92 +361,4 @@ class Engine(EngineRl):
 
     def _rpc(self, call: Any, timeout: float = 60) -> Any:
         """A control call (wire/control_calls.py, wire/weight_messages.py) answered by the scheduler."""
-        if self._dead is not None:
-            raise RuntimeError(f"engine cannot serve: {self._dead}")
-        future: Future = Future()
-        call_id = next(self._call_ids)
-        with self._lock:
-            self._rpc_waiters[call_id] = future
-        self._send(RpcReq(call, call_id))
-        return future.result(timeout=timeout)
-
-    def _send(self, message: Any) -> None:
-        with self._send_lock:
-            self._conn.send(message)
-
-    def _wait_ready(self) -> SchedulerReady:
-        try:
-            if not self._conn.poll(STARTUP_TIMEOUT_S):
-                raise TimeoutError(f"scheduler did not start within {STARTUP_TIMEOUT_S}s")
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            raise RuntimeError(f"scheduler process exited with code {self._process.wait()} during start-up") from None
-        if isinstance(message, SchedulerError):
-            raise RuntimeError(f"scheduler failed to start:\n{message.message}")
-        return message
-
-    def _receive_loop(self) -> None:
-        while True:
-            try:
-                messages = self._conn.recv()
-            except (EOFError, OSError):
-                if not self._closed:
-                    self._die(RuntimeError(f"scheduler process died (exit code {self._process.wait()})"))
-                return
-            if isinstance(messages, SchedulerError):
-                self._die(RuntimeError(f"scheduler crashed:\n{messages.message}"))
-                return
-            for message in messages:
-                try:
-                    self._dispatch(message)
-                except Exception as error:  # noqa: BLE001 - one request's failure must not stop the receiver
-                    self._fail_one(getattr(message, "rid", None), error)
-
-    def _dispatch(self, message: Any) -> None:
-        if isinstance(message, RpcOut):
-            with self._lock:
-                future = self._rpc_waiters.pop(message.call_id, None)
-            if future is not None:
-                if isinstance(message.result, Exception):
-                    future.set_exception(message.result)
-                else:
-                    future.set_result(message.result)
-            return
-        with self._lock:
-            state = self._states.get(message.rid)
-        if state is None:  # already aborted on this side
-            return
-        state.apply(message)
-        if state.finished:
-            with self._lock:
-                self._states.pop(message.rid, None)
-            self._observe(state)
-
-    def _observe(self, state: RequestState) -> None:
-        for observer in self.request_observers:
-            with contextlib.suppress(Exception):  # metrics must never fail a request or stop the receiver
-                observer(state)
-
-    def _die(self, error: Exception) -> None:
-        self._dead = error
-        self._fail_all(error)
-
-    def _fail_one(self, rid: str | None, error: Exception) -> None:
-        """A request whose output could not be processed (e.g. detokenized) fails alone and is aborted."""
-        with self._lock:
-            state = self._states.pop(rid, None) if rid is not None else None
-        if state is not None:
-            with contextlib.suppress(Exception):  # the receiver must survive whatever the sink does
-                state.fail(RuntimeError(f"request {rid} failed while its output was processed: "
-                                        f"{type(error).__name__}: {error}"))
-            if self._dead is None and not self._closed:
-                self._send(AbortReq(rid))
-
-    def _fail_all(self, error: Exception) -> None:
-        with self._lock:
-            states, self._states = list(self._states.values()), {}
-            waiters, self._rpc_waiters = list(self._rpc_waiters.values()), {}
-        for state in states:
-            state.fail(error)
-        for future in waiters:
-            future.set_exception(error)
+        return self._link.rpc(call, timeout)

@@ -20,7 +20,8 @@ import torch
 
 from ..attention.base import ForwardBatch, GraphAttentionBackend
 from ..cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from .cuda_graph import pad_decode_batch, padded_batch_size
+from ..config import EngineArgs
+from .cuda_graph import capture_batch_sizes, pad_decode_batch, padded_batch_size
 
 logger = logging.getLogger("furcate.cuda_graph")
 
@@ -139,3 +140,26 @@ class CudaGraphRunner:
             req_pool_indices=torch.zeros(bs, **host), prefix_lens=ones, extend_lens=ones.clone(), seq_lens=ones + 1,
             req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
         )
+
+
+def capture_decode_graphs(args: EngineArgs, model, backend, tp_size: int, req_pool: ReqToTokenPool,
+                          kv_pool: TokenToKVPool) -> CudaGraphRunner | None:
+    """Decode CUDA graphs on a GPU, unless disabled; not under tensor parallelism (each rank would need its own
+    graphs replayed in step), with a backend whose metadata has no fixed buffers (torch_native), nor for a model
+    whose decode cannot be captured (capturable)."""
+    sizes = capture_batch_sizes(args)
+    if not sizes:
+        return None
+    why_not = why_no_graphs(model, backend, tp_size)
+    if why_not:
+        logger.warning("decode runs without CUDA graphs: %s", why_not)
+        return None
+    return CudaGraphRunner(model, backend, sizes, req_pool, kv_pool, args.device)
+
+
+def why_no_graphs(model, backend, tp_size: int) -> str | None:
+    if tp_size > 1:
+        return "tensor parallelism"
+    if not supports_cuda_graphs(backend):
+        return f"attention backend {type(backend).__name__} cannot be captured"
+    return capturable(model)

@@ -31,12 +31,11 @@ from ..multimodal.embedder import ImageEmbedder
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
-from .compiled_decode import CompiledDecode, compilable, compile_graphs, size_classes
-from .cuda_graph import capture_batch_sizes
-from .cuda_graph_runner import CudaGraphRunner, capturable, supports_cuda_graphs
+from .compiled_decode import CompiledDecode
+from .compiled_setup import DecodeTarget, adopted, compiled_decode, wants_graphs
+from .cuda_graph_runner import CudaGraphRunner, capture_decode_graphs
 from .decode_runner import DecodeRunner, EagerRunner, claimant, prepare_first
-from .graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled, start_background_build
-from .graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
+from .graph_builder import BackgroundGraphs
 from .rank_control import model_tensors
 from .serving_model import load_serving_model
 
@@ -124,73 +123,16 @@ class ModelRunner:
         self.forward_stream = torch.cuda.Stream(args.device) if args.device.startswith("cuda") else None
 
     def _capture_graphs(self, args: EngineArgs) -> CudaGraphRunner | None:
-        """Decode CUDA graphs on a GPU, unless disabled; not under tensor parallelism (each rank would need its own
-        graphs replayed in step), with a backend whose metadata has no fixed buffers (torch_native), nor for a
-        model whose decode cannot be captured (cuda_graph_runner.capturable)."""
-        sizes = capture_batch_sizes(args)
-        if not sizes:
-            return None
-        why_not = self._why_no_graphs()
-        if why_not:
-            logger.warning("decode runs without CUDA graphs: %s", why_not)
-            return None
-        return CudaGraphRunner(self.model, self.attn_backend, sizes, self.req_pool, self.kv_pool, args.device)
-
-    def _why_no_graphs(self) -> str | None:
-        if self.tp.size > 1:
-            return "tensor parallelism"
-        if not supports_cuda_graphs(self.attn_backend):
-            return f"attention backend {type(self.attn_backend).__name__} cannot be captured"
-        return capturable(self.model)
+        return capture_decode_graphs(args, self.model, self.attn_backend, self.tp.size, self.req_pool, self.kv_pool)
 
     def _wants_graphs(self, args: EngineArgs) -> bool:
-        """Whether decode is to run compiled: asked for, or (unset) by default on a CPU (graph_builder.py)."""
-        wanted = args.enable_torch_compile
-        if wanted is None:
-            return args.device == "cpu" and self.tp.size == 1 and auto_compile_enabled()
-        return wanted
+        return wants_graphs(args, self.tp.size)
 
     def _compiled_decode(self, args: EngineArgs) -> CompiledDecode | None:
-        """The compiled CPU decode step: its graphs loaded from disk, else compiled now (enable_torch_compile) or
-        built in the background (unset; adopt_background_graphs takes them once they load)."""
-        if not self._wants_graphs(args):
-            return None
-        why_not = ("the device is not a CPU (CUDA graphs capture decode there)" if args.device != "cpu" else
-                   "tensor parallelism" if self.tp.size > 1 else compilable(self.model))
-        if why_not:
-            if args.enable_torch_compile:
-                logger.warning("enable_torch_compile: decode runs eagerly: %s", why_not)
-            return None
-        max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
-        sizes = size_classes(max_bs, max(self.quantized.max_rows, 0))
-        use_furcate_inductor_cache()
-        key = graph_key(self.model, self.kv_pool, sizes)
-        graphs = load_graphs(graph_dir(key), sizes) if complete(graph_dir(key), sizes) else None
-        if graphs is None and args.enable_torch_compile:
-            graphs = self._compile_now(sizes, key)
-        elif graphs is None:
-            self.background = start_background_build(self._build_spec(args, sizes, key))
-        return CompiledDecode(self.model, self.kv_pool, max_bs, graphs) if graphs else None
-
-    def _compile_now(self, sizes: list[int], key: str) -> dict[int, object] | None:
-        """Compile at start-up and save the graphs for the next start; None (eager decode) if that fails."""
-        try:
-            graphs = compile_graphs(self.model, self.kv_pool, sizes)
-        except Exception as error:  # noqa: BLE001 - e.g. no C++ compiler for inductor: serve eagerly, say why
-            logger.warning("enable_torch_compile: decode runs eagerly: compiling it failed: %s: %s",
-                           type(error).__name__, error)
-            return None
-        try:
-            save_graphs(graph_dir(key), graphs)
-        except Exception as error:  # noqa: BLE001 - a full or read-only disk: serve compiled, compile next time
-            logger.warning("the compiled decode graphs were not saved: %s: %s", type(error).__name__, error)
-        return graphs
-
-    def _build_spec(self, args: EngineArgs, sizes: list[int], key: str) -> BuildSpec:
-        attn = self.model.model.layers[0].self_attn
-        return BuildSpec(self.model_path, str(self.dtype).removeprefix("torch."), args.quantization,
-                         self.quantized.max_rows, (len(self.model.model.layers), attn.num_kv_heads, attn.head_dim),
-                         tuple(sizes), torch.get_num_threads(), key)
+        """The compiled CPU decode step (compiled_setup.py); a background build to adopt later, where it started."""
+        target = DecodeTarget(self.model, self.kv_pool, self.model_path, self.dtype, self.quantized.max_rows)
+        compiled, self.background = compiled_decode(args, self.tp.size, target)
+        return compiled
 
     def _runner_order(self) -> list[DecodeRunner]:
         """The runners in the order they are asked to take a batch (decode_runner.py): compiled decode first (its
@@ -212,8 +154,7 @@ class ModelRunner:
     def adopt_background_graphs(self) -> None:
         """Decode through the graphs the background build delivered, from the next batch on."""
         if self.background is not None and self.background.graphs is not None:
-            max_bs = min(self.args.torch_compile_max_bs, self.args.max_running_requests)
-            self.compiled = CompiledDecode(self.model, self.kv_pool, max_bs, self.background.graphs)
+            self.compiled = adopted(self.args, self.model, self.kv_pool, self.background.graphs)
             self.runners = self._runner_order()
             self.background = None
             logger.info("decode runs through its compiled graphs from now on")

@@ -13,8 +13,6 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from ...grammars.cache import GrammarCache, make_backend
-from .. import registry
 from ..cache.chunk_cache import ChunkCache
 from ..cache.radix_cache import RadixCache
 from ..config import EngineArgs
@@ -24,15 +22,11 @@ from ..executor.model_runner import ModelRunner, SamplingInputs, StepResult
 from ..wire.control_calls import Shutdown
 from ..wire.finish_reason import FinishReason
 from ..wire.messages import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
+from .assembly import build_plugins, control_calls
 from .launchers import OverlapLauncher, PlainLauncher, VerifyingLauncher
 from .memory import MemoryManager
-from .plugins.base import SchedulerPlugin
-from .plugins.generation_control import GenerationControl
-from .plugins.grammar_queue import GrammarQueue
 from .plugins.jump_forward import forced_tokens
-from .plugins.rpc import SchedulerRpc
 from .plugins.speculation import Speculator, step_tokens
-from .plugins.weight_sync import WeightSync
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
 from .req import Req
@@ -58,19 +52,13 @@ class Scheduler:
         self.memory = MemoryManager(args, self.cache, self.runner.req_pool, self.runner.kv_pool)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.grammars = GrammarQueue(self, self._grammar_cache(tokenizer_path), args.grammar_compile_timeout)
-        # A disaggregation side first: a prefill server cuts every request to its first token before it queues.
-        speculator = Speculator(args, self.runner) if args.speculative_algorithm else None
-        self.weights = WeightSync(self)
-        self.plugins: list[SchedulerPlugin] = [*disaggregation_side(self), self.grammars,
-                                               *([speculator] if speculator else []), GenerationControl(self),
-                                               self.weights]
-        self.rpc = SchedulerRpc(scheduler_handlers(self) | {
-            kind: handler for plugin in self.plugins for kind, handler in plugin.rpc_handlers().items()})
+        plugins = build_plugins(self, tokenizer_path, self.eos_ids)
+        self.plugins, self.grammars, self.weights = plugins.ordered, plugins.grammars, plugins.weights
+        self.rpc = control_calls(scheduler_handlers(self), self.plugins)
         self.chunked_req: Req | None = None
         self.last_batch_prefilled = False
         self.rng = random.Random(args.random_seed)
-        self.launcher = self._launcher(speculator)
+        self.launcher = self._launcher(plugins.speculator)
         self.outputs: list[Any] = []
         self.cached_tokens_total = 0
         self.jumped_tokens = 0
@@ -83,15 +71,6 @@ class Scheduler:
         if speculator is not None:
             return VerifyingLauncher(speculator.run, *parts)
         return (PlainLauncher if self.args.disable_overlap_schedule else OverlapLauncher)(*parts)
-
-    def _grammar_cache(self, tokenizer_path: str) -> GrammarCache | None:
-        """The grammar backend builds on the cache's pool while the engine already serves, from a tokenizer of its
-        own: a fast tokenizer may refuse a call from a second thread while the loop is encoding with it."""
-        args, vocab_size, stop_ids = self.args, self.runner.vocab_size, sorted(self.eos_ids)
-        if args.grammar_backend == "none":
-            return None
-        return GrammarCache.building(lambda: make_backend(args.grammar_backend, AutoTokenizer.from_pretrained(
-            tokenizer_path), vocab_size, stop_ids, args.grammar_compile_timeout))
 
     def ready_message(self) -> SchedulerReady:
         return SchedulerReady(
@@ -437,12 +416,6 @@ class Scheduler:
 
     def decode_tail(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-
-def disaggregation_side(scheduler: Scheduler) -> list[SchedulerPlugin]:
-    """The plug-in of a prefill or decode server (registered with its implementation); none serving whole."""
-    mode = scheduler.args.disaggregation_mode
-    return [] if mode == "null" else [registry.resolve("disaggregation_mode", mode)(scheduler)]
 
 
 def receive(conn: Connection, block: bool, timeout: float | None = None) -> list[Any]:

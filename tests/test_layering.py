@@ -124,7 +124,7 @@ def under(name: str, prefix: str) -> bool:
     ("furcate.lang", "furcate.runtime"), ("furcate.lang", "furcate.interpreter"),
     (f"{R}.scheduler", f"{R}.disaggregation"),
     (f"{R}.engine", f"{R}.scheduler"), (f"{R}.engine", f"{R}.executor"), (f"{R}.engine", f"{R}.kernels"),
-    (f"{R}.executor", f"{R}.scheduler"), (f"{R}.wire", R + ".engine"), (f"{R}.model", f"{R}.executor"),
+    (f"{R}.executor", f"{R}.scheduler"), (f"{R}.model", f"{R}.executor"),
 ])
 def test_layers(importer, imported_prefix):
     assert crossings(importer, imported_prefix) == []
@@ -138,7 +138,8 @@ def test_the_engine_reads_checkpoints_but_never_builds_the_model():
 
 
 def test_the_wire_types_are_leaves():
-    """Both processes read runtime/wire/: it imports no other runtime package."""
+    """Both processes read runtime/wire/: it imports no other runtime package (but the sampling parameters a
+    request carries)."""
     assert crossings(f"{R}.wire", R, (f"{R}.wire.", f"{R}.sampling.params")) == []
 
 
@@ -167,3 +168,4 @@ def test_the_graph_is_read():
     assert "furcate.runtime.scheduler.launchers" in GRAPH["furcate.runtime.scheduler.scheduler"]
     assert "furcate.runtime.scheduler.plugins.base" in GRAPH["furcate.runtime.disaggregation.prefill"]
     assert circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert crossings(f"{R}.disaggregation", f"{R}.scheduler") != []  # allowed edges exist, so the walls are read

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..cache_folder import furcate_cache
 from ..kernels.block_gemv import SOURCE
-from ..kernels.native_build import cpu_signature
+from ..kernels.native_build import cpu_signature, source_texts
 
 logger = logging.getLogger("furcate.quantize")
 
@@ -85,10 +85,10 @@ def choice_path(parts: list) -> pathlib.Path:
 
 def choice_file(quantized: list[nn.Module], dense: list[nn.Linear]) -> pathlib.Path:
     """Where quantization=auto's choice for these layers is kept: keyed by the kernels, the dense layers' shapes,
-    dtype and packing, and the block kernel's source."""
+    dtype and packing, and the block kernel's sources (the .c and the headers it includes)."""
     return choice_path([[type(q).__qualname__ for q in quantized], [list(d.weight.shape) for d in dense],
                         [getattr(d, "from_rows", None) for d in dense], str(dense[0].weight.dtype),
-                        SOURCE.read_text(), os.environ.get("FURCATE_BLOCK_GEMV")])
+                        source_texts(SOURCE), os.environ.get("FURCATE_BLOCK_GEMV")])
 
 
 def remembered(path: pathlib.Path, measure: Callable[[], T], parse: Callable[[object], T], what: str) -> T:

@@ -64,17 +64,18 @@ def shipped_folders() -> dict[Path, str]:
 
 
 def expected_wheel_files() -> set[str]:
-    """Every file of the package folders: modules, and in subpackages any data file beside them (a template or
-    kernel source read at run time must ship). The root's other files (README, pyproject.toml, setup.py) are the
-    project's, not the package's."""
+    """Every file of the package folders: modules, and in subpackages any data file beside them or in a data folder
+    below them (a template, or the kernels' sources in runtime/kernels/csrc/, read at run time must ship). The
+    root's other files (README, pyproject.toml, setup.py) are the project's, not the package's."""
     files = set()
     for folder, inside in shipped_folders().items():
         for path in folder.iterdir():
-            if not path.is_file() or path.name.startswith("."):
+            if path.name.startswith(".") or path.name == "__pycache__":
                 continue
-            if folder == CHECKOUT and (path.suffix != ".py" or path.name == "setup.py"):
-                continue
-            files.add(f"{inside}/{path.name}")
+            if path.is_dir() and folder != CHECKOUT and not (path / "__init__.py").is_file():
+                files |= {f"{inside}/{data.relative_to(folder)}" for data in path.rglob("*") if data.is_file()}
+            elif path.is_file() and not (folder == CHECKOUT and (path.suffix != ".py" or path.name == "setup.py")):
+                files.add(f"{inside}/{path.name}")
     return files
 
 

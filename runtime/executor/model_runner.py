@@ -24,10 +24,9 @@ from ..distributed.followers import Followers, NoFollowers
 from ..distributed.parallel_state import TensorParallel
 from ..distributed.spawn import Spawned, spawn_followers
 from ..model.layers import attention_shape
-from ..model.vision import load_vision_encoder
-from ..model.weights.checkpoint import checkpoint_vision_spec, load_config
+from ..model.weights.checkpoint import load_config
 from ..model.weights.loader import available_memory_bytes, resolve_dtype
-from ..multimodal.embedder import ImageEmbedder
+from ..multimodal.embedder import image_embedder
 from ..sampling.logprobs import TopEntries, token_logprobs, top_logprobs
 from ..sampling.sampler import SamplingRow, sample
 from .batch import ReqSlice, ScheduleBatch
@@ -109,7 +108,7 @@ class ModelRunner:
         )
         self.attn_backend = make_attention_backend(args.attention_backend, args.device,
                                                    model_attention(self.model, self.dtype))
-        self.images = self._image_embedder(model_path, args)
+        self.images = image_embedder(model_path, self.dtype, args.device, self.tp.size)
         # The followers are looked up at each batch: close() replaces them.
         self.eager = EagerRunner(self.model, self.attn_backend, lambda forward: self.followers.snapshot(forward))
         self.graphs = self._capture_graphs(args)
@@ -158,14 +157,6 @@ class ModelRunner:
             self.runners = self._runner_order()
             self.background = None
             logger.info("decode runs through its compiled graphs from now on")
-
-    def _image_embedder(self, model_path: str, args: EngineArgs) -> ImageEmbedder | None:
-        """A vision-language model's image encoder, on this (the only) rank."""
-        if checkpoint_vision_spec(model_path) is None:
-            return None
-        if self.tp.size > 1:
-            raise ValueError("vision-language models run with tp_size 1 (the image encoder is not split)")
-        return ImageEmbedder(load_vision_encoder(model_path, self.dtype, args.device), args.device)
 
     def recapture_graphs(self) -> None:
         """Capture the decode graphs again: resumed weights and K/V buffers live at new addresses. The replay count

@@ -13,6 +13,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from ..model.vision import load_vision_encoder
+from ..model.weights.checkpoint import checkpoint_vision_spec
 from ..wire.messages import ImagePiece
 
 CACHED_IMAGES = 64
@@ -44,3 +46,12 @@ class ImageEmbedder:
             self.cache.move_to_end(piece.image.digest)
         while len(self.cache) > max(CACHED_IMAGES, len({p.image.digest for p in pieces})):
             self.cache.popitem(last=False)
+
+
+def image_embedder(model_path: str, dtype: torch.dtype, device: str, tp_size: int) -> ImageEmbedder | None:
+    """A vision-language model's image encoder, on this (the only) rank; None for a text-only model."""
+    if checkpoint_vision_spec(model_path) is None:
+        return None
+    if tp_size > 1:
+        raise ValueError("vision-language models run with tp_size 1 (the image encoder is not split)")
+    return ImageEmbedder(load_vision_encoder(model_path, dtype, device), device)

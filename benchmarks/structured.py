@@ -37,7 +37,7 @@ from benchmarks.structured_grammars import (
 )
 from furcate import Engine
 from furcate.grammars.base import GrammarSpec
-from furcate.grammars.cache import make_backend
+from furcate.grammars.registry import make_backend
 from furcate.runtime.model.weights.default_model import prepare_default_model
 
 BACKENDS = ("auto", "llguidance", "xgrammar", "outlines")

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from benchmarks.jsonschemabench import cached_encoder, judge
 from furcate import Engine
 from furcate.grammars.base import GrammarSpec
-from furcate.grammars.cache import make_backend
+from furcate.grammars.registry import make_backend
 from furcate.runtime.scheduler.plugins.grammar_queue import percentile
 
 # How a schema fares with a backend: its grammar enforces the schema exactly, approximates it (served by a named

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .base import CompiledGrammar, GrammarBackend, GrammarSpec
-from .registry import make_backend as make_backend  # re-exported: the engine, tests and benchmarks import it here
 
 
 class GrammarCache:

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from conftest import EXACT, assert_pool_free, engines_side_by_side
 from furcate import Engine
 from furcate.grammars.base import GrammarSpec, allocate_bitmask
-from furcate.grammars.cache import make_backend
+from furcate.grammars.registry import make_backend
 from furcate.runtime.scheduler.plugins.grammar_queue import percentile
 
 PERSON = {

@@ -19,7 +19,8 @@ import pytest
 
 from benchmarks.jsonschemabench import BENCH, Verdict, cached_encoder, judge, load_cases
 from furcate.grammars.base import GrammarSpec
-from furcate.grammars.cache import GrammarCache, make_backend
+from furcate.grammars.cache import GrammarCache
+from furcate.grammars.registry import make_backend
 from jsonschemabench_gaps import KNOWN_GAPS, OUTLINES_COMPILE_LIMIT, OUTLINES_COMPILE_SLOW, XGRAMMAR_COMPILE_SLOW
 
 pytestmark = pytest.mark.skipif(not BENCH.is_dir(), reason=f"the jsonschemabench-dev data set is not at {BENCH}")

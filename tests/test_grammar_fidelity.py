@@ -13,9 +13,9 @@ import pytest
 
 from furcate.grammars.auto import AutoBackend
 from furcate.grammars.base import GrammarSpec
-from furcate.grammars.cache import make_backend
 from furcate.grammars.formats import PROBES
 from furcate.grammars.regex_dialect import with_ascii_classes
+from furcate.grammars.registry import make_backend
 from furcate.grammars.schema_keywords import anchored_at_both_ends, constraint_uses, schemas_in
 from furcate.grammars.xgrammar_backend import native_warnings
 

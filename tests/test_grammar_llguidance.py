@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from furcate.grammars.base import GrammarSpec, allocate_bitmask
-from furcate.grammars.cache import make_backend
 from furcate.grammars.ebnf_to_lark import ebnf_to_lark
+from furcate.grammars.registry import make_backend
 
 STOPS = [2, 0]  # <|im_end|> first (llguidance's own stop token), <|endoftext|> as a second one
 

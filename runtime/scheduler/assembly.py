@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer
 
-from ...grammars.cache import GrammarCache, make_backend
+from ...grammars.cache import GrammarCache
+from ...grammars.registry import make_backend
 from .. import registry
 from ..executor.model_runner import ModelRunner
 from .plugins.base import SchedulerHandle, SchedulerPlugin

@@ -64,7 +64,7 @@ class VllmRunner:
 def run(spec: dict) -> dict:
     import vllm
 
-    from .peers import decode_summary, summary, timed
+    from .peers import decode_summary, label, summary, timed
 
     workloads, sizes = json.loads(pathlib.Path(spec["workloads"]).read_text()), spec["sizes"]
     runner = VllmRunner(spec["model_dir"], spec["dtype"], spec["kv_cache_bytes"], spec["max_model_len"])
@@ -74,13 +74,14 @@ def run(spec: dict) -> dict:
         n = sizes[name]["output_len"]
         # Interleaved prompts, as furcate gets them: finding the shared prefixes is the prefix cache's job.
         runner.flush()
-        outputs, seconds, foreign = timed(lambda name=name, n=n: runner.generate(workloads[name], n))
+        outputs, seconds, foreign = timed(lambda name=name, n=n: runner.generate(workloads[name], n),
+                                          label(spec, name))
         results[name] = summary(outputs, seconds, foreign)
 
     def decode(n: int) -> list[list[int]]:
         runner.flush()  # the prompt is prefilled in both timings
         return runner.generate([workloads["decode_b1"]], n)
-    results["decode_b1"] = decode_summary(decode, sizes["decode_b1"]["output_len"])
+    results["decode_b1"] = decode_summary(decode, sizes["decode_b1"]["output_len"], label(spec, "decode_b1"))
     return results
 
 

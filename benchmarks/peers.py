@@ -37,6 +37,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 import time
@@ -57,6 +58,7 @@ from .peers_report import (
     step_bytes,
 )
 from .peers_roofline import ceilings, machine_rates, model_facts, shares
+from .perf_profile import VARIABLE as PERF_VARIABLE
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]  # where `python -m benchmarks.peers` resolves
@@ -102,12 +104,17 @@ def build_workloads(tokenizer, sizes: dict) -> dict:
 
 # --- workers: each runs in its own process -------------------------------------------------------------------
 
-def timed(fn):
+def timed(fn, label: str | None):
+    """fn's value, its wall seconds and the CPU seconds other processes took meanwhile; recorded by perf under
+    label where FURCATE_BENCH_PERF asks (perf_profile.py)."""
     from .offline_throughput import CpuMeter
+    from .perf_profile import recording
 
-    meter, started = CpuMeter(), time.perf_counter()
-    value = fn()
-    return value, time.perf_counter() - started, meter.foreign_seconds()
+    with recording(label):
+        meter, started = CpuMeter(), time.perf_counter()
+        value = fn()
+        seconds = time.perf_counter() - started
+    return value, seconds, meter.foreign_seconds()
 
 
 def furcate_worker(spec: dict, workloads: dict) -> dict:
@@ -132,13 +139,13 @@ def furcate_worker(spec: dict, workloads: dict) -> dict:
         for name in ("offline", "shared_prefix"):
             n = sizes[name]["output_len"]
             assert engine.flush_cache()
-            outputs, seconds, foreign = timed(lambda name=name, n=n: run(workloads[name], n))
+            outputs, seconds, foreign = timed(lambda name=name, n=n: run(workloads[name], n), label(spec, name))
             results[name] = summary(outputs, seconds, foreign)
 
         def decode(n: int) -> list[list[int]]:
             assert engine.flush_cache()  # the prompt is prefilled in both timings
             return run([workloads["decode_b1"]], n)
-        results["decode_b1"] = decode_summary(decode, sizes["decode_b1"]["output_len"])
+        results["decode_b1"] = decode_summary(decode, sizes["decode_b1"]["output_len"], label(spec, "decode_b1"))
     return results
 
 
@@ -167,18 +174,18 @@ def llama_worker(spec: dict, workloads: dict) -> dict:
     try:
         runner.generate(workloads["offline"][:2], 4)
         n = sizes["offline"]["output_len"]
-        outputs, seconds, foreign = timed(lambda: runner.generate(workloads["offline"], n))
+        outputs, seconds, foreign = timed(lambda: runner.generate(workloads["offline"], n), label(spec, "offline"))
         results["offline"] = summary(outputs, seconds, foreign)
         order, shared = group_order(workloads["shared_prefix"], sizes["shared_prefix"]["system_len"])
         prompts = [workloads["shared_prefix"][i] for i in order]
         n = sizes["shared_prefix"]["output_len"]
-        grouped, seconds, foreign = timed(lambda: runner.generate(prompts, n, shared))
+        grouped, seconds, foreign = timed(lambda: runner.generate(prompts, n, shared), label(spec, "shared_prefix"))
         outputs = [None] * len(order)
         for position, i in enumerate(order):
             outputs[i] = grouped[position]
         results["shared_prefix"] = summary(outputs, seconds, foreign)
         results["decode_b1"] = decode_summary(lambda n: runner.generate([workloads["decode_b1"]], n),
-                                              sizes["decode_b1"]["output_len"])
+                                              sizes["decode_b1"]["output_len"], label(spec, "decode_b1"))
     finally:
         runner.close()
     return results
@@ -204,9 +211,10 @@ def hf_worker(spec: dict, workloads: dict) -> dict:
     run(workloads["offline"][:2], 4)
     for name in ("offline", "shared_prefix"):
         n = sizes[name]["output_len"]
-        outputs, seconds, foreign = timed(lambda name=name, n=n: run(workloads[name], n))
+        outputs, seconds, foreign = timed(lambda name=name, n=n: run(workloads[name], n), label(spec, name))
         results[name] = summary(outputs, seconds, foreign)
-    results["decode_b1"] = decode_summary(lambda n: run([workloads["decode_b1"]], n), sizes["decode_b1"]["output_len"])
+    results["decode_b1"] = decode_summary(lambda n: run([workloads["decode_b1"]], n), sizes["decode_b1"]["output_len"],
+                                          label(spec, "decode_b1"))
     return results
 
 
@@ -216,13 +224,19 @@ def summary(outputs: list[list[int]], seconds: float, foreign: float) -> dict:
             "outputs": outputs}
 
 
-def decode_summary(generate, n: int) -> dict:
-    """Decode tokens/s at batch 1: (n+1-token run - 1-token run) / n, best of two pairs."""
+def label(spec: dict, workload: str) -> str:
+    """A timed run's name in perf recordings: system, precision, workload."""
+    return f"{spec['system']}-{spec['precision']}-{workload}"
+
+
+def decode_summary(generate, n: int, name: str) -> dict:
+    """Decode tokens/s at batch 1: (n+1-token run - 1-token run) / n, best of two pairs (perf records the
+    (n+1)-token runs under name, the second over the first)."""
     generate(2)
     rates, outputs, foreign_total = [], None, 0.0
     for _ in range(2):
-        _, first, foreign_a = timed(lambda: generate(1))
-        outputs, full, foreign_b = timed(lambda: generate(n + 1))
+        _, first, foreign_a = timed(lambda: generate(1), None)
+        outputs, full, foreign_b = timed(lambda: generate(n + 1), name)
         rates.append(n / (full - first))
         foreign_total += foreign_a + foreign_b
     return {"output_tok_s": max(rates), "rates": rates, "foreign_cpu_seconds": foreign_total, "outputs": outputs}
@@ -362,6 +376,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--furcate-args", default="{}",
                         help='engine arguments added to furcate\'s, as JSON: \'{"enable_torch_compile": true}\'')
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes (4 prompts, 8 output tokens)")
+    parser.add_argument("--hold-to-avx2", action="store_true",
+                        help="emulate a CPU without AVX-512 on one that has it (hold_to_avx2)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--output", help="report path (default results/peers[_1b].json; with --quick in the bench "
                                          "cache, never over a real report)")
@@ -371,6 +387,35 @@ def parse_args() -> argparse.Namespace:
 def default_output(args: argparse.Namespace) -> pathlib.Path:
     name = "peers" + ("_1b" if args.model_shape == "1b" else "")
     return BENCH_CACHE / f"{name}_quick.json" if args.quick else RESULTS / f"{name}.json"
+
+
+# What holds every system to AVX2 on a CPU with AVX-512: torch's kernels (and inductor's), oneDNN's, MKL's and
+# furcate's own builds. llama.cpp must be built so (GGML_NATIVE=OFF, GGML_AVX512=OFF); vLLM is told it has no AVX-512.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "FURCATE_NATIVE_FLAGS": "-mno-avx512f -mno-avxvnni -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"}
+VLLM_WITHOUT_AVX512 = """import torch.cpu
+# benchmarks.peers --hold-to-avx2: vLLM loads its AVX2 kernels (_C_AVX2) as on a CPU without AVX-512.
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+"""
+
+
+VLLM_WITHOUT_AVX512_DIR = BENCH_CACHE / "vllm-without-avx512"
+
+
+def hold_to_avx2() -> None:
+    """Set AVX2_ENV for every worker, and write the sitecustomize that tells vLLM's processes there is no AVX-512
+    (on the vLLM rows' PYTHONPATH). Refuses a llama.cpp built with AVX-512."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    if re.search(r"AVX512\w* = 1", info):
+        raise SystemExit(f"--hold-to-avx2: this llama-cpp-python uses AVX-512 ({info.strip()}); rebuild it with "
+                         'CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX512=OFF"')
+    os.environ.update(AVX2_ENV)
+    folder = VLLM_WITHOUT_AVX512_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(VLLM_WITHOUT_AVX512)
 
 
 def run_all(args: argparse.Namespace, models: dict, workloads_file: pathlib.Path, sizes: dict) -> tuple[dict, dict]:
@@ -391,6 +436,8 @@ def run_all(args: argparse.Namespace, models: dict, workloads_file: pathlib.Path
                 results[precision][system] = {"status": "not installed"}
             elif system == "vllm":
                 settings[precision] = vllm_settings(python, models, precision, args.threads)
+                if args.hold_to_avx2:
+                    settings[precision]["env"]["PYTHONPATH"] = str(VLLM_WITHOUT_AVX512_DIR)
                 results[precision][system] = run_vllm(python, spec, workloads_file, settings[precision])
             else:
                 results[precision][system] = run_worker(spec, workloads_file)
@@ -409,6 +456,10 @@ def main() -> None:
 
     import furcate
 
+    if args.hold_to_avx2:
+        hold_to_avx2()
+    if os.environ.get(PERF_VARIABLE):  # oneDNN's JIT kernels named in perf's reports (a perf map per process)
+        os.environ.update({"ONEDNN_JIT_PROFILE": "2", "DNNL_JIT_PROFILE": "2"})
     load_before = os.getloadavg()
     sizes = QUICK_SIZES if args.quick else SIZES
     models = prepare_models(args.model_shape, args.quant_type)
@@ -432,6 +483,7 @@ def main() -> None:
                          if n == "vllm" and measured(r)), None)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "model": models["name"],
               "model_shape": args.model_shape, "quick": args.quick, "threads": args.threads,
+              "held_to_avx2": AVX2_ENV if args.hold_to_avx2 else None,
               "furcate_args": json.loads(args.furcate_args),
               "load_before": [round(x, 2) for x in load_before], "cpu_flags": cpu_flags(), "bandwidth": bandwidth,
               "versions": {"furcate": furcate.__version__, "llama_cpp": llama_cpp.__version__, "vllm": vllm_version,

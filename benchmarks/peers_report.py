@@ -157,6 +157,11 @@ def markdown(report: dict) -> str:
              f"{report['load_before']}. Memory bandwidth ({bandwidth['threads']} threads, "
              f"{bandwidth['array_gib']} GiB): read {bandwidth['read_gb_s']:.1f} GB/s, copy "
              f"{bandwidth['copy_gb_s']:.1f} GB/s.", ""]
+    if report.get("held_to_avx2"):
+        lines += ["**AVX2 emulation, not an AVX2-only CPU:** every system held to AVX2 on this CPU (llama.cpp built "
+                  "without AVX-512, vLLM on its AVX2 kernels, and " + ", ".join(f"{k}={v}" for k, v in
+                                                                             report["held_to_avx2"].items()) + ").",
+                  ""]
     if report.get("furcate_args"):
         lines += [f"furcate ran with {json.dumps(report['furcate_args'])} beside its defaults.", ""]
     if report["quick"]:

@@ -90,7 +90,7 @@ def graph_key(model: nn.Module, kv_pool: TokenToKVPool, sizes: list[int]) -> str
     pool = [(list(b.shape[1:]), str(b.dtype)) for b in (*kv_pool.k_buffer, *kv_pool.v_buffer)]
     parts = [model_signature(model), plain(getattr(model, "config", None)), pool, sizes, torch.__version__,
              torch.get_num_threads(), cpu_signature(), runtime_sources_digest(),
-             os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("FURCATE_BLOCK_GEMV"), paged_attention.available()]
+             os.environ.get("FURCATE_BLOCK_GEMV"), paged_attention.available()]
     text = json.dumps(parts, sort_keys=True, default=lambda v: type(v).__qualname__)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 

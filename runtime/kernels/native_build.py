@@ -42,6 +42,9 @@ logger = logging.getLogger("furcate.native_build")
 
 OPENMP = "-fopenmp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", OPENMP, "-shared", "-fPIC")
+# Variables that hold the kernels to fewer instructions than the CPU has (torch's own, oneDNN's, MKL's, ours).
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+              "FURCATE_NATIVE_FLAGS")
 # What stands for OPENMP where it does not link: OpenMP's vector pragmas without its runtime library.
 WITHOUT_OPENMP = "-fopenmp-simd"
 
@@ -50,13 +53,22 @@ def cache_dir() -> pathlib.Path:
     return furcate_cache() / "kernels"
 
 
+def native_flags() -> tuple[str, ...]:
+    """FLAGS and the user's FURCATE_NATIVE_FLAGS after them (say "-mno-avx512f": build for less than the CPU has,
+    as a CPU without AVX-512 would)."""
+    return FLAGS + tuple(os.environ.get("FURCATE_NATIVE_FLAGS", "").split())
+
+
 def cpu_signature() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
+    """What the kernels run on: the CPU's model and flags, and the variables that hold torch, oneDNN, MKL or our
+    builds to less of it (ISA_LIMITS), so that what was built, compiled or chosen under them is kept apart."""
     try:
         lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return "unknown"
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+        lines = ["unknown"]
+    limits = [f"{name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name)]
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "unknown"))})
+                     + limits)
 
 
 def included_files(source: pathlib.Path) -> list[pathlib.Path]:
@@ -201,8 +213,8 @@ class Binding:
 
 
 def load(source: pathlib.Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """source built with FLAGS and extra_flags ($CC, else cc), building it if needed."""
-    compiler, flags = os.environ.get("CC", "cc"), FLAGS + extra_flags
+    """source built with native_flags() and extra_flags ($CC, else cc), building it if needed."""
+    compiler, flags = os.environ.get("CC", "cc"), native_flags() + extra_flags
     target = library_path(source, compiler, flags)
     build_once(source, compiler, flags, target)
     return ctypes.CDLL(str(target))
@@ -227,7 +239,7 @@ def load_torch_ops(source: pathlib.Path, linked: tuple[pathlib.Path, ...] = ()) 
 
     compile_flags, torch_libraries = torch_flags()
     libraries = (*map(str, linked), *(f"-Wl,-rpath,{path.parent}" for path in linked), *torch_libraries)
-    compiler, flags = os.environ.get("CXX", "c++"), FLAGS + compile_flags
+    compiler, flags = os.environ.get("CXX", "c++"), native_flags() + compile_flags
     target = library_path(source, compiler, flags + libraries)
     build_once(source, compiler, flags, target, libraries)
     try:

@@ -75,10 +75,9 @@ def small_batch_rows(quantized: list[nn.Module], dense: list[nn.Linear]) -> int:
 
 
 def choice_path(parts: list) -> pathlib.Path:
-    """Where a choice measured on this machine is kept: keyed by what it chose between (parts), the CPU, the
-    thread count and torch's version."""
-    parts = [*parts, cpu_signature(), torch.get_num_threads(), torch.__version__,
-             os.environ.get("ATEN_CPU_CAPABILITY")]
+    """Where a choice measured on this machine is kept: keyed by what it chose between (parts), the CPU (and what
+    holds the kernels to less of it), the thread count and torch's version."""
+    parts = [*parts, cpu_signature(), torch.get_num_threads(), torch.__version__]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
     return furcate_cache() / "kernel_choice" / f"{key}.json"
 

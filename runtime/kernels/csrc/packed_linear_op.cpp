@@ -86,8 +86,9 @@ at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const
 
 // Dense GEMV for one row: each weight row is one contiguous stream, read once, and the work starts at once.
 // oneDNN's packed linear reads a blocked copy at the same speed once it runs, but costs ~8-13 us a call before
-// it does (121 calls a step on the default model). Built for what the CPU has: float32 with AVX512F, bfloat16
-// with AVX512-BF16 (its dot product accumulates in float32; the sum is rounded once, to nearest even).
+// it does (121 calls a step on the default model). Built for what the CPU has: float32 with AVX512F, else with
+// AVX2 and FMA (the CPUs most people have), bfloat16 with AVX512-BF16 (its dot product accumulates in float32;
+// the sum is rounded once, to nearest even).
 #if defined(__AVX512F__)
 void gemv_rows(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
@@ -103,6 +104,31 @@ void gemv_rows(const float* x, const float* w, const float* bias, float* y, int6
     y[n] = bias ? sum + bias[n] : sum;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMV_FLOAT32 1
+float reduce_add(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+void gemv_rows(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* row = w + n * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;  // four chains hide the FMA's latency
+    for (int64_t k = 0; k < K; k += 32) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(row + k), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(row + k + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(row + k + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(row + k + 24), a3);
+    }
+    float sum = reduce_add(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    y[n] = bias ? sum + bias[n] : sum;
+  }
+}
+#endif
+#if defined(__AVX512F__)
+#define GEMV_FLOAT32 1
 #endif
 
 #if defined(__AVX512BF16__)
@@ -123,7 +149,7 @@ void gemv_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16*
 #endif
 
 bool gemv_built(at::ScalarType dtype) {
-#if defined(__AVX512F__)
+#if defined(GEMV_FLOAT32)
   if (dtype == at::kFloat) return true;
 #endif
 #if defined(__AVX512BF16__)
@@ -157,10 +183,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
 
 at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(gemv_serves(x, weight, bias), "dense GEMV takes one contiguous row times a contiguous [N, K] "
-                    "weight (and bias [N]) of one dtype (float32 with AVX512F, bfloat16 with AVX512-BF16), K a "
+                    "weight (and bias [N]) of one dtype (float32 with AVX512F or AVX2, bfloat16 with AVX512-BF16), K a "
                     "multiple of 64; not ", x.scalar_type(), " ", x.sizes(), " times ", weight.scalar_type(), " ",
                     weight.sizes());
-#if defined(__AVX512F__)
+#if defined(GEMV_FLOAT32)
   if (x.scalar_type() == at::kFloat) return gemv<float>(x, weight, bias);
 #endif
 #if defined(__AVX512BF16__)

@@ -110,8 +110,9 @@ def timed(fn, label: str | None):
     from .offline_throughput import CpuMeter
     from .perf_profile import recording
 
+    meter = CpuMeter()  # before perf starts: perf's own CPU counts as another process's
     with recording(label):
-        meter, started = CpuMeter(), time.perf_counter()
+        started = time.perf_counter()
         value = fn()
         seconds = time.perf_counter() - started
     return value, seconds, meter.foreign_seconds()

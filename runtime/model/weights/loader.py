@@ -36,8 +36,10 @@ def resolve_dtype(dtype: str, config, device: str = "cpu") -> torch.dtype:
 
 
 def cpu_has_native_bf16() -> bool:
-    """avx512_bf16 or AMX: the instructions oneDNN's bfloat16 matmuls need to beat float32."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    """avx512_bf16 or AMX: the instructions oneDNN's bfloat16 matmuls need to beat float32, where oneDNN may use them
+    (ONEDNN_MAX_CPU_ISA=AVX2, say, holds it to a CPU without them)."""
+    hardware = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return bool(hardware and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def available_memory_bytes() -> int:

@@ -84,13 +84,26 @@ def samples(data: pathlib.Path) -> dict[str, float]:
     """Share of samples (percent) per "symbol [dso]" in a recording."""
     report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", "sym,dso",
                              "--percent-limit", "0.05"], capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(["perf", "buildid-list", "-i", str(data)], capture_output=True, text=True).stdout
+    paths = {pathlib.Path(line.split()[-1]).name: line.split()[-1] for line in listed.splitlines() if line.strip()}
     shares: dict[str, float] = {}
     for line in report.splitlines():
-        match = re.match(r"\s*([\d.]+)%\s+\[[.k]\]\s+(.*?)\s{2,}(\S+)\s*$", line)
+        match = re.match(r"\s*([\d.]+)%\s+\[[.k]\]\s+(.*?)\s{2,}(\S.*?)\s*$", line)  # "[JIT] tid 5" too
         if match:
-            key = f"{match[2]} [{match[3]}]"
+            key = f"{unnamed_kind(match[2], paths.get(match[3], match[3]))} [{match[3]}]"
             shares[key] = shares.get(key, 0.0) + float(match[1])
     return shares
+
+
+def unnamed_kind(symbol: str, library: str) -> str:
+    """A symbol perf could not name (a stripped library's static code, llama.cpp's tinyBLAS tiles among it) by
+    the instructions around it: vector multiply-adds make it an unnamed matmul, anything else stays its address."""
+    if not re.fullmatch(r"0x[0-9a-f]+", symbol) or not pathlib.Path(library).is_file():
+        return symbol
+    address = int(symbol, 16)
+    code = subprocess.run(["objdump", "-d", f"--start-address={address - 24}", f"--stop-address={address + 24}",
+                           library], capture_output=True, text=True).stdout
+    return "unnamed vector multiply-adds (matmul)" if "vfmadd" in code else symbol
 
 
 def category(symbol: str) -> str:

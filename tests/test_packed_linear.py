@@ -18,6 +18,7 @@ from furcate.runtime.model.packed_linear import (
     pack_linears,
     packed_linear_op,
     packs,
+    repack_linears,
 )
 from rl_trainer import round_weights
 from test_greedy_matches_hf import make_prompts
@@ -265,3 +266,33 @@ def test_gemv_wins_times_both_paths_on_the_layers_at_one_row(gemv_s, packed_s, w
 
     monkeypatch.setattr(kernel_choice, "best_seconds", best_seconds)
     assert kernel_choice.gemv_wins([float32_layer((64, 128), 1) for _ in range(2)]) is wins
+
+
+def test_a_layer_that_packs_from_no_row_still_takes_the_gemv_at_one_row(private_cache, monkeypatch):
+    """Where F.linear beat the packed copy at every rung (MKL on an AVX2-only CPU), the layer keeps no copy, yet one
+    row runs the dense GEMV where it beat F.linear: eagerly, through the compiled op, and after its weight is
+    replaced (repack_linears tells the op the new weight)."""
+    if not gemv_built(torch.float32):
+        pytest.skip("no float32 dense GEMV on this CPU")
+    monkeypatch.setattr(kernel_choice, "packed_crossover", lambda group: None)
+    against = []
+    monkeypatch.setattr(kernel_choice, "gemv_wins",
+                        lambda group: against.append(kernel_choice.one_row_call(group[0]).__name__) or True)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+    assert pack_linears(model) == 0 and against == ["plain_call", "plain_call"]  # per shape, against F.linear
+    assert all(layer.packed is None and layer.from_rows is None and layer.gemv for layer in model)
+    gemv = torch.ops.furcate.dense_gemv
+    with torch.inference_mode():
+        for layer in model:  # one row: the GEMV's own bits (it sums in its order); more: F.linear's
+            x, rows = torch.randn(1, layer.in_features), torch.randn(5, layer.in_features)
+            assert torch.equal(packed_linear_op(x, layer.weight, layer.bias), gemv(x, layer.weight, layer.bias))
+            assert torch.equal(layer(x), gemv(x, layer.weight, layer.bias))
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+            assert torch.equal(packed_linear_op(rows, layer.weight, layer.bias), F.linear(rows, layer.weight,
+                                                                                            layer.bias))
+        model[0].weight = torch.nn.Parameter(torch.randn(128, 64))
+        repack_linears(model)
+        x = torch.randn(1, 64)
+        assert torch.equal(packed_linear_op(x, model[0].weight, model[0].bias),
+                           gemv(x, model[0].weight, model[0].bias))
+    assert model[0].packed is None and model[0].gemv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 
 import pytest
 import torch
@@ -18,11 +19,27 @@ pytestmark = pytest.mark.skipif(not paged_attention.available(), reason=f"kernel
 POOL = 3000
 
 
-@pytest.fixture(params=["ctypes", "op"])
+@pytest.fixture(params=["ctypes", "op", "avx2"])
 def attend(request):
     """The kernel as eager forwards call it (ctypes) and as a compiled step does (the op furcate::paged_attention,
-    whose CPU kernel is paged_attention_op.cpp's where it builds): the same results and the same refusals."""
+    whose CPU kernel is paged_attention_op.cpp's where it builds): the same results and the same refusals; and as it
+    builds on a CPU without AVX-512 (8-float vectors)."""
+    if request.param == "avx2":
+        return request.getfixturevalue("avx2_build")
     return paged_attention.attention if request.param == "ctypes" else paged_attention.attention_op
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """The kernel built for AVX2 (as on AMD Zen 2/3 or Intel client chips), on any x86 CPU that has AVX2."""
+    if platform.machine() not in ("x86_64", "AMD64") or not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        pytest.skip("not an x86 CPU with AVX2")
+    os.environ["FURCATE_CACHE"] = str(tmp_path_factory.mktemp("kernels"))
+    try:
+        lib = paged_attention.load(("-mno-avx512f",))
+    finally:
+        del os.environ["FURCATE_CACHE"]
+    return functools.partial(paged_attention.attention, lib=lib)
 
 
 @pytest.fixture(scope="module")

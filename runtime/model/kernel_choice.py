@@ -168,15 +168,21 @@ def parse_per_shape(shapes: list[str], valid: Callable[[object], bool], saved: o
 
 
 def gemv_wins(layers: list[nn.Linear]) -> bool:
-    """Whether the dense GEMV beats oneDNN's packed linear at one row, timed through these layers (of one shape,
-    each holding its packed copy)."""
+    """Whether the dense GEMV beats what serves one row otherwise (oneDNN's packed linear where the layers pack
+    from one row, else F.linear), timed through these layers (of one shape and one packing choice)."""
     gemv = [functools.partial(gemv_call, layer) for layer in layers]
-    packed = [functools.partial(packed_call, layer) for layer in layers]
+    other = [functools.partial(one_row_call(layer), layer) for layer in layers]
     x = torch.randn(1, layers[0].in_features, dtype=layers[0].weight.dtype)
-    gemv_s, packed_s = best_seconds((gemv, packed), x)
-    logger.info("1 row through %d %s linears: dense GEMV %.0f us, packed %.0f us", len(layers),
-                list(layers[0].weight.shape), gemv_s * 1e6, packed_s * 1e6)
-    return gemv_s <= PACKED_MARGIN * packed_s
+    gemv_s, other_s = best_seconds((gemv, other), x)
+    logger.info("1 row through %d %s linears: dense GEMV %.0f us, %s %.0f us", len(layers),
+                list(layers[0].weight.shape), gemv_s * 1e6, one_row_call(layers[0]).__name__, other_s * 1e6)
+    return gemv_s <= PACKED_MARGIN * other_s
+
+
+def one_row_call(layer: nn.Linear) -> Callable[[nn.Linear, torch.Tensor], torch.Tensor]:
+    """What serves the layer one row without the GEMV: its packed copy where it packs from one row, else F.linear."""
+    packs_one_row = getattr(layer, "packed", None) is not None and getattr(layer, "from_rows", None) == 1
+    return packed_call if packs_one_row else plain_call
 
 
 def gemv_call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +190,12 @@ def gemv_call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_choice(layers: list[nn.Linear]) -> list[bool]:
-    """Per layer (each holding its packed copy, each a shape the GEMV takes), whether one row runs the dense GEMV,
-    measured per weight shape the first time on this machine (gemv_wins)."""
-    return per_shape(layers, "dense_gemv", gemv_wins, lambda wins: type(wins) is bool, "the dense GEMV's choice")
+    """Per layer (each a shape the GEMV takes), whether one row runs the dense GEMV, measured per weight shape and
+    what serves one row otherwise the first time on this machine (gemv_wins)."""
+    groups: dict[str, list[nn.Linear]] = {}
+    for layer in layers:
+        groups.setdefault(one_row_call(layer).__name__, []).append(layer)
+    chosen = {id(layer): wins for name, group in groups.items()
+              for layer, wins in zip(group, per_shape(group, f"dense_gemv/{name}", gemv_wins,
+                                                      lambda wins: type(wins) is bool, "the dense GEMV's choice"))}
+    return [chosen[id(layer)] for layer in layers]

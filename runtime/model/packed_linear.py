@@ -25,8 +25,10 @@ At one row (batch-1 decode) oneDNN's call costs ~8-13 us before it streams the w
 step. packed_linear_op.cpp's dense GEMV streams each weight row from the ordinary weight at once; it serves one row
 of the layers whose shape it measured faster on (kernel_choice.gemv_choice: 35-40% on the default model's bfloat16
 shapes on an AMD EPYC, where the compiled bfloat16 batch-1 step went from 8.9-9.9 to 7.4-8.2 ms, and float32's
-from 15.3-16.2 to 13.4-15.7). Built for float32 with AVX512F and bfloat16 with AVX512-BF16;
-FURCATE_DENSE_GEMV=0 keeps one row on the packed copy, =1 takes the GEMV without measuring.
+from 15.3-16.2 to 13.4-15.7). Built for float32 with AVX512F or AVX2 and bfloat16 with AVX512-BF16. A float32
+layer that packs from no row (MKL's F.linear won, as it does on AVX2-only CPUs) still takes the GEMV at one row where
+it measured faster than F.linear: MKL's GEMV ran one thread while the other waited (AVX2 emulation, 2 threads).
+FURCATE_DENSE_GEMV=0 keeps one row on the packed copy or F.linear, =1 takes the GEMV without measuring.
 """
 
 from __future__ import annotations
@@ -66,9 +68,8 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             return self.run(x)
-        if self.from_rows is None:
-            return F.linear(x, self.weight, self.bias)
-        return packed_linear_op(x, self.weight, self.bias)  # dynamo never reads the opaque tensor
+        # dynamo never reads the opaque tensor; the op serves what the layer chose (at::linear where nothing)
+        return packed_linear_op(x, self.weight, self.bias)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.numel() == self.in_features:
@@ -87,15 +88,15 @@ class PackedLinear(nn.Linear):
     def serve_from(self, rows: int | None, gemv: bool = False) -> None:
         """Serve the packed copy from this many rows on (None: never, and drop it), and one row by the dense GEMV
         or not."""
-        self.from_rows, self._gemv = rows, gemv and rows is not None
+        self.from_rows, self._gemv = rows, gemv
         if rows is None:
             self.unpack()
-        elif self.packed is not None:
+        if self.packed is not None or gemv:
             self.publish()
 
     def publish(self) -> None:
-        """Tell the op's C++ kernel (where it runs) about the packed copy: it holds it weakly, so unpack needs
-        no second call."""
+        """Tell the op's C++ kernel (where it runs) what serves the weight: the packed copy (held weakly, so unpack
+        needs no second call; None where the layer keeps none) and whether one row runs the dense GEMV."""
         if native_kernel():
             torch.ops.furcate.packed_register(self.weight, self.packed, self.from_rows or 0, self.gemv)
 
@@ -149,7 +150,7 @@ def pack_linears(model: nn.Module) -> int:
 
         for layer, rows in zip(float32, packed_from_rows(float32)):
             layer.serve_from(rows)
-    take_gemv_where_it_wins([layer for layer in linears if layer.packed is not None])
+    take_gemv_where_it_wins(linears)
     return sum(layer.packed is not None for layer in linears)
 
 
@@ -159,14 +160,15 @@ def gemv_takes(layer: PackedLinear) -> bool:
             and torch.ops.furcate.dense_gemv_built(layer.weight.dtype))
 
 
-def take_gemv_where_it_wins(packed: list[PackedLinear]) -> None:
-    """One row runs the dense GEMV on the layers where it measured faster than the packed copy, per dtype and
-    weight shape (kernel_choice.gemv_choice; FURCATE_DENSE_GEMV=0: nowhere, =1: everywhere it takes)."""
+def take_gemv_where_it_wins(linears: list[PackedLinear]) -> None:
+    """One row runs the dense GEMV on the layers where it measured faster than what serves one row otherwise (the
+    packed copy, or F.linear where float32 did not pack from one row), per dtype and weight shape
+    (kernel_choice.gemv_choice; FURCATE_DENSE_GEMV=0: nowhere, =1: everywhere it takes)."""
     from .kernel_choice import gemv_choice
 
     switch = os.environ.get("FURCATE_DENSE_GEMV")
     for dtype in (torch.float32, torch.bfloat16):
-        layers = [layer for layer in packed if layer.weight.dtype == dtype and gemv_takes(layer)]
+        layers = [layer for layer in linears if layer.weight.dtype == dtype and gemv_takes(layer)]
         if not layers or switch == "0":
             continue
         for layer, wins in zip(layers, [True] * len(layers) if switch == "1" else gemv_choice(layers)):
@@ -175,10 +177,12 @@ def take_gemv_where_it_wins(packed: list[PackedLinear]) -> None:
 
 def repack_linears(model: nn.Module) -> None:
     """After a parameter's data was written or replaced, or released weights resumed: every PackedLinear that
-    serves a packed copy packs its weight again."""
+    serves a packed copy packs its weight again, and one that serves only the GEMV tells the op its new weight."""
     for module in model.modules():
         if isinstance(module, PackedLinear) and module.from_rows is not None:
             module.repack()
+        elif isinstance(module, PackedLinear) and module.gemv:
+            module.publish()
 
 
 def unpack_linears(model: nn.Module) -> None:

@@ -262,29 +262,37 @@ static inline __m256i nibble_dot(__m256i nibbles, __m256i xq) {
 }
 
 /* vpmaddubsw saturates at 16 bits: 4-bit weights are safe (2 * 15 * 127), bytes go as two nibbles. */
-static inline __m256i half_dot(__m256i u, int bits, __m256i xq, __m256i low) {
-    if (bits == 4) return nibble_dot(u, xq);
+static inline __m256i byte_dot(__m256i u, __m256i xq, __m256i low) {
     __m256i hi = nibble_dot(_mm256_and_si256(_mm256_srli_epi16(u, 4), low), xq);
     return _mm256_add_epi32(nibble_dot(_mm256_and_si256(u, low), xq), _mm256_slli_epi32(hi, 4));
 }
 
-static inline __m256i digit_dot(__m256i first, __m256i second, int bits, const int8_t *xq, __m256i low) {
+/* An 8-bit pair's (first: its positions 0-31, second: 32-63) dot product with one digit's 64 bytes. */
+static inline __m256i bytes_dot(__m256i first, __m256i second, const int8_t *xq, __m256i low) {
     __m256i x0 = _mm256_loadu_si256((const __m256i *)xq), x1 = _mm256_loadu_si256((const __m256i *)(xq + 32));
-    return _mm256_add_epi32(half_dot(first, bits, x0, low), half_dot(second, bits, x1, low));
+    return _mm256_add_epi32(byte_dot(first, x0, low), byte_dot(second, x1, low));
+}
+
+/* A 4-bit pair's (first: the low nibbles, second: the high ones) dot product with one digit's 64 bytes: the two
+ * halves' 16-bit pair sums (each at most 2 * 15 * 127 = 3810) added before they widen, times `widen`, in one
+ * vpmaddwd. */
+static inline __m256i nibbles_dot(__m256i first, __m256i second, const int8_t *xq, __m256i widen) {
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)xq), x1 = _mm256_loadu_si256((const __m256i *)(xq + 32));
+    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(first, x0), _mm256_maddubs_epi16(second, x1));
+    return _mm256_madd_epi16(pairs, widen);
 }
 
 static inline __m256i pair_dot(const uint8_t *w, int bits, const int8_t *xq) {
-    __m256i low = _mm256_set1_epi8(15), first, second;
-    if (bits == 4) {
+    __m256i low = _mm256_set1_epi8(15);
+    if (bits == 4) { /* the first digit's products widen times DIGIT, the second's times 1 */
         __m256i packed = _mm256_loadu_si256((const __m256i *)w);
-        first = _mm256_and_si256(packed, low);
-        second = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-    } else {
-        first = _mm256_loadu_si256((const __m256i *)w);
-        second = _mm256_loadu_si256((const __m256i *)(w + 32));
+        __m256i first = _mm256_and_si256(packed, low), second = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        return _mm256_add_epi32(nibbles_dot(first, second, xq, _mm256_set1_epi16(DIGIT)),
+                                nibbles_dot(first, second, xq + 64, _mm256_set1_epi16(1)));
     }
-    __m256i high = _mm256_slli_epi32(digit_dot(first, second, bits, xq, low), DIGIT_BITS);
-    return _mm256_add_epi32(high, digit_dot(first, second, bits, xq + 64, low));
+    __m256i first = _mm256_loadu_si256((const __m256i *)w), second = _mm256_loadu_si256((const __m256i *)(w + 32));
+    __m256i high = _mm256_slli_epi32(bytes_dot(first, second, xq, low), DIGIT_BITS);
+    return _mm256_add_epi32(high, bytes_dot(first, second, xq + 64, low));
 }
 
 static inline float sum8(__m256 v) {

@@ -2,9 +2,9 @@
 // (about 8 us a call there, ~1 ms of a 9 ms batch-1 step over the default model's 121 linears).
 //
 // A layer's oneDNN-packed copy is found by its weight: packed_register(parameter, packed, from_rows, gemv) files
-// the copy under the weight's address. Both are held weakly, so a layer that drops its copy, or is freed, leaves a stale
-// entry that is never served (and is swept at the next registration); a weight replaced since it packed runs
-// at::linear.
+// the copy (none for a float32 layer that packs from no row but runs one row through the dense GEMV) under the
+// weight's address. Both are held weakly, so a layer that drops its copy, or is freed, leaves a stale entry that
+// is never served (and is swept at the next registration); a weight replaced since it registered runs at::linear.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +27,7 @@ using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensor
 struct Packed {
   WeakTensor weight;  // the layer's parameter, which owns the weight it packed
   WeakTensor packed;  // the layer holds the copy; this entry only points at it
+  bool has_packed;  // whether the layer keeps a copy at all (one that serves only the GEMV does not)
   int64_t from_rows;  // rows from which the packed copy serves
   bool gemv;  // whether one row runs dense_gemv instead
 };
@@ -43,15 +44,20 @@ std::unordered_map<const void*, Packed> registry;  // keyed by the weight's data
 
 void sweep_stale() {
   for (auto it = registry.begin(); it != registry.end();) {
-    it = it->second.packed.expired() || it->second.weight.expired() ? registry.erase(it) : std::next(it);
+    bool gone = it->second.weight.expired() || (it->second.has_packed && it->second.packed.expired());
+    it = gone ? registry.erase(it) : std::next(it);
   }
 }
 
-void packed_register(const at::Tensor& weight, const at::Tensor& packed, int64_t from_rows, bool gemv) {
+void packed_register(const at::Tensor& weight, const std::optional<at::Tensor>& packed, int64_t from_rows,
+                     bool gemv) {
   std::lock_guard<std::mutex> guard(registry_lock);
   sweep_stale();
-  registry.insert_or_assign(weight.data_ptr(), Packed{WeakTensor(weight.getIntrusivePtr()),
-                                                      WeakTensor(packed.getIntrusivePtr()), from_rows, gemv});
+  bool has_packed = packed.has_value() && packed->defined();
+  // without a copy the entry's `packed` is never read: the weight stands in for it
+  WeakTensor copy(has_packed ? packed->getIntrusivePtr() : weight.getIntrusivePtr());
+  registry.insert_or_assign(weight.data_ptr(), Packed{WeakTensor(weight.getIntrusivePtr()), copy, has_packed,
+                                                      from_rows, gemv});
 }
 
 // Whether `weight` is the registered parameter's data as it is now: the same storage (held alive by the locked
@@ -62,8 +68,8 @@ bool same_weight(const at::Tensor& weight, const at::Tensor& registered) {
          registered.sizes() == weight.sizes();
 }
 
-// What serves this weight; nothing where none is registered, its layer dropped its copy, or the weight is not
-// the one that packed.
+// What serves this weight; nothing where none is registered, its layer dropped its copy (and takes no GEMV), or
+// the weight is not the one that registered.
 Served lookup(const at::Tensor& weight) {
   std::lock_guard<std::mutex> guard(registry_lock);
   auto found = registry.find(weight.data_ptr());
@@ -71,8 +77,8 @@ Served lookup(const at::Tensor& weight) {
     return Served{};
   }
   const Packed& entry = found->second;
-  at::Tensor packed(entry.packed.lock());
-  return packed.defined() ? Served{packed, entry.from_rows, entry.gemv} : Served{};
+  at::Tensor packed = entry.has_packed ? at::Tensor(entry.packed.lock()) : at::Tensor();
+  return packed.defined() || entry.gemv ? Served{packed, entry.from_rows, entry.gemv} : Served{};
 }
 
 at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
@@ -210,7 +216,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(furcate, m) {
-  m.def("packed_register(Tensor weight, Tensor packed, int from_rows, bool gemv) -> ()", &packed_register);
+  m.def("packed_register(Tensor weight, Tensor? packed, int from_rows, bool gemv) -> ()", &packed_register);
   m.def("dense_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &dense_gemv);
   m.def("dense_gemv_built(ScalarType dtype) -> bool", &dense_gemv_built);
 }

@@ -9,7 +9,7 @@
  *
  * A work item is a tile of a request's new tokens (up to MAX_ROWS query rows: tokens x query heads of a KV head)
  * and some of its KV heads; the heads take each block of keys in turn, so a slot's row (all heads side by side)
- * comes from memory once. Per head and block of BLOCK keys: scores (16 keys' dot products summed at once),
+ * comes from memory once. Per head and block of BLOCK keys: scores (VL keys' dot products summed at once),
  * causal masking per row, an online softmax (a running maximum and sum, the accumulated values rescaled when the
  * maximum rises), then the block's values, taken by sets of rows so that a value row is read once a set. Each head
  * asks for its rows of the next block as it goes: a request's decoded tokens lie a batch's worth of slots apart.
@@ -23,8 +23,9 @@
  * with AVX512-BF16 by bfloat16 products summed in float32 (paged_attention_bf16.h), elsewhere by widening each row
  * to float32 as it is read. Either way the output is rounded to the nearest bfloat16 once, at the end.
  *
- * The rows of a request with several new tokens (a prefill's) are scored 16 at a time across a vector's lanes
- * (tile_scores), decode rows one by one: a request's rows take one path wherever they are planned.
+ * The rows of a request with several new tokens (a prefill's) are scored VL at a time across a vector's lanes
+ * (tile_scores), decode rows one by one: a request's rows take one path wherever they are planned. A vector is one
+ * register: 16 floats with AVX512, 8 with AVX2 (paged_attention_vec.h).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,36 +36,36 @@
 #include "paged_attention_block.h"
 
 /* Row r's scores against the block's first `count` keys (rounded up to 16; the keys past count are zeros), its
- * query in registers: 16 keys' dot products at a time, their lanes summed at once. */
+ * query in registers: VL keys' dot products at a time, their lanes summed at once. */
 static inline __attribute__((always_inline)) void row_scores(const vf *query, int chunks, int count,
                                                              const vf *keys, float *scores) {
-    vf q[MAX_DIM / LANES];
+    vf q[MAX_DIM / VL];
     for (int c = 0; c < chunks; c++) q[c] = query[c];
-    for (int first = 0; first < count; first += 16) {
-        vf products[16];
-        for (int j = 0; j < 16; j++) {
+    for (int first = 0; first < count; first += VL) {
+        vf products[VL];
+        for (int j = 0; j < VL; j++) {
             const vf *key = keys + (first + j) * chunks;
             vf dot = q[0] * key[0];
             for (int c = 1; c < chunks; c++) dot += q[c] * key[c];
             products[j] = dot;
         }
-        vf sums = sums16(products);
+        vf sums = lane_sums(products);
         memcpy(&scores[first], &sums, sizeof sums);
     }
 }
 
 /* Each row's acc += the weighted sum of the block's values (row r's weights[r]: zero past the keys it sees), the
- * rows in sets whose accumulators fit in 16 vector registers, so that a value row is read once a set, and the set's
- * rows x chunks independent sums keep the multiply-adds from waiting on each other. */
-static inline __attribute__((always_inline)) void rows_values(vf (*acc)[MAX_DIM / LANES], int rows, int chunks,
+ * rows in sets whose accumulators fill half the vector registers, so that a value row is read once a set, and the
+ * set's rows x chunks independent sums keep the multiply-adds from waiting on each other. */
+static inline __attribute__((always_inline)) void rows_values(vf (*acc)[MAX_DIM / VL], int rows, int chunks,
                                                               const int *visible, const vf *values,
                                                               const float *weights, Strides at) {
-    enum { REGISTERS = 16 };
+    enum { REGISTERS = VF_REGISTERS / 2 };
     int set = chunks >= REGISTERS ? 1 : REGISTERS / chunks;
     for (int r0 = 0; r0 < rows; r0 += set) {
         int n = rows - r0 < set ? rows - r0 : set, last = 0;
         for (int r = 0; r < n; r++) last = visible[r0 + r] > last ? visible[r0 + r] : last;
-        vf sum[REGISTERS] = {}; /* those past the set's rows unused */
+        vf sum[REGISTERS > MAX_DIM / VL ? REGISTERS : MAX_DIM / VL] = {}; /* past the set's rows unused */
         for (int r = 0; r < set; r++)
             for (int c = 0; c < chunks; c++)
                 if (r < n) sum[r * chunks + c] = acc[r0 + r][c];
@@ -80,20 +81,22 @@ static inline __attribute__((always_inline)) void rows_values(vf (*acc)[MAX_DIM 
     }
 }
 
-/* A tile's rows (those of requests with several new tokens, tiled()) scored 16 at a time: lane i of scores[j][v] is
- * row 16v + i's score against key j, from the rows' scaled queries transposed (dimension d of row r at
+/* A tile's rows (those of requests with several new tokens, tiled()) scored VL at a time: lane i of scores[j][v] is
+ * row VL v + i's score against key j, from the rows' scaled queries transposed (dimension d of row r at
  * qt[d * QT_STRIDE + r]) and each key's number broadcast. Row by row, each score is a dot product whose lanes are
- * then summed across the vector (sums16); here the sums run down the dimensions in each lane. */
+ * then summed across the vector (lane_sums); here the sums run down the dimensions in each lane, for as many keys
+ * at once as half the registers hold (16 with AVX512, 8 with AVX2; the block's keys are padded to 16). */
 static inline __attribute__((always_inline)) void tile_scores(const uint32_t *qt, int chunks, int rows, const vf *keys,
-                                                              int count, vf (*scores)[MAX_ROWS / 16]) {
-    for (int v = 0; v < (rows + 15) / 16; v++)
-        for (int first = 0; first < count; first += 16) {
-            vf sum[16] = {};
-            for (int d = 0; d < chunks * LANES; d++) {
-                vf q = load_f32((const float *)(qt + d * QT_STRIDE + 16 * v)); /* the floats' bits */
-                for (int j = 0; j < 16; j++) sum[j] += q * ((const float *)(keys + (first + j) * chunks))[d];
+                                                              int count, vf (*scores)[MAX_ROWS / VL]) {
+    enum { KEYS = VF_REGISTERS / 2 < 16 ? VF_REGISTERS / 2 : 16 };
+    for (int v = 0; v < (rows + VL - 1) / VL; v++)
+        for (int first = 0; first < count; first += KEYS) {
+            vf sum[KEYS] = {};
+            for (int d = 0; d < chunks * VL; d++) {
+                vf q = load_f32((const float *)(qt + d * QT_STRIDE + VL * v)); /* the floats' bits */
+                for (int j = 0; j < KEYS; j++) sum[j] += q * ((const float *)(keys + (first + j) * chunks))[d];
             }
-            for (int j = 0; j < 16; j++) scores[first + j][v] = sum[j];
+            for (int j = 0; j < KEYS; j++) scores[first + j][v] = sum[j];
         }
 }
 
@@ -102,7 +105,7 @@ static inline __attribute__((always_inline)) void tile_scores(const uint32_t *qt
  * keys and values are widened once into float buffers, then each row scores them with its query in registers, and
  * the rows take the values in sets. Inlined per head size (chunks), so that those loops have constant bounds. */
 static inline __attribute__((always_inline)) void attend_block_sized(
-    vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
+    vf (*query)[MAX_DIM / VL], vf (*acc)[MAX_DIM / VL], float *running_max, float *running_sum,
     const void *k_pool, const void *v_pool, const int64_t *slots, int count, Ahead ahead, int64_t first_pos,
     const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, int bf16,
     const uint32_t *qt) {
@@ -116,11 +119,11 @@ static inline __attribute__((always_inline)) void attend_block_sized(
     }
     for (int j = count * chunks; j < ((count + 15) & ~15) * chunks; j++) keys[j] = (vf){};
     rows_visible(visible, rows, group, count, first_pos, last_pos);
-    int row_bytes = chunks * LANES * (bf16 ? 2 : 4);
+    int row_bytes = chunks * VL * (bf16 ? 2 : 4);
     if (qt) {
         for (int j = 0; j < ahead.count; j++)
             prefetch_ahead(ahead, j, k_pool, v_pool, pool_slots, kv_heads, h, row_bytes);
-        vf scores[BLOCK][MAX_ROWS / 16];
+        vf scores[BLOCK][MAX_ROWS / VL];
         tile_scores(qt, chunks, rows, keys, count, scores);
         tile_softmax(scores, visible, rows, count, acc, chunks, running_max, running_sum, weights);
         rows_values(acc, rows, chunks, visible, values, weights, (Strides){1, QT_STRIDE});
@@ -154,7 +157,7 @@ static inline int dot_bf16(int bf16, int chunks) {
 
 /* One KV head's rows over a block: paged_attention_bf16.h's bfloat16 products where `dot`, else the float path;
  * inlined per head size, so that their loops have constant bounds. */
-static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max,
+static void attend_block(vf (*query)[MAX_DIM / VL], vf (*acc)[MAX_DIM / VL], float *running_max,
                          float *running_sum, const void *k_pool, const void *v_pool, const int64_t *slots, int count,
                          Ahead ahead, int64_t first_pos, const int64_t *last_pos, int rows, int64_t pool_slots, int h,
                          int kv_heads, int group, int chunks, int bf16, int dot, float scale, const uint32_t *qt) {
@@ -173,11 +176,16 @@ static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES
     attend_block_sized(query, acc, running_max, running_sum, k_pool, v_pool, slots, count, ahead, first_pos,    \
                        last_pos, rows, pool_slots, h, kv_heads, group, n, bf16, qt)
     switch (chunks) { /* head_dim 16, 32, 64, 128, 256; others with a variable bound */
+#if VL == 16
     case 1: SIZED(1); break;
+#endif
     case 2: SIZED(2); break;
     case 4: SIZED(4); break;
     case 8: SIZED(8); break;
     case 16: SIZED(16); break;
+#if VL == 8
+    case 32: SIZED(32); break;
+#endif
     default: SIZED(chunks);
     }
 #undef SIZED
@@ -189,7 +197,7 @@ static void attend_block(vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES
 /* Keys [from, to) of one slot table for some of an item's rows: rows [r0, r0 + rows) of each of its n heads' sets
  * of `stride` rows; row r0 + r is of the token whose last position is last_pos[r / group]. qt: the rows' queries
  * transposed (tile_queries), for a tile's rows, else NULL. */
-static void attend_keys(const Batch *x, Item it, vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES],
+static void attend_keys(const Batch *x, Item it, vf (*query)[MAX_DIM / VL], vf (*acc)[MAX_DIM / VL],
                         float *running_max, float *running_sum, const int64_t *slots, int64_t from, int64_t to,
                         const int64_t *last_pos, int r0, int rows, int stride, const uint32_t *qt) {
     for (int64_t key = from; key < to; key += BLOCK) {
@@ -207,10 +215,10 @@ static void attend_keys(const Batch *x, Item it, vf (*query)[MAX_DIM / LANES], v
 /* For the rows of requests with several new tokens (tiled()): their queries transposed into qt, 4-byte element e of
  * row r at e * QT_STRIDE + r (a pair of bfloat16 numbers on the bfloat16 products' path, else a float); else NULL
  * (decode rows, one token a request, keep the row path). */
-static const uint32_t *tile_queries(const Batch *x, Item it, const int *order, vf (*query)[MAX_DIM / LANES],
+static const uint32_t *tile_queries(const Batch *x, Item it, const int *order, vf (*query)[MAX_DIM / VL],
                                     int rows, uint32_t *qt) {
     if (!tiled(x, order[it.member])) return NULL;
-    int elements = x->chunks * LANES / (x->dot ? 2 : 1);
+    int elements = x->chunks * VL / (x->dot ? 2 : 1);
     memset(qt, 0, sizeof(uint32_t) * elements * QT_STRIDE);
     for (int r = 0; r < it.n * rows; r++) {
         const uint32_t *row = (const uint32_t *)query[r];
@@ -222,7 +230,7 @@ static const uint32_t *tile_queries(const Batch *x, Item it, const int *order, v
 /* The item's queries against their requests' slots up to each token's own position: the shared keys for all
  * rows at once, then each member's own. Token t of the item is row q_row[t] of q and out. */
 static void attend_item(const Batch *x, Item it, const int *order) {
-    vf query[MAX_ROWS][MAX_DIM / LANES], acc[MAX_ROWS][MAX_DIM / LANES];
+    vf query[MAX_ROWS][MAX_DIM / VL], acc[MAX_ROWS][MAX_DIM / VL];
     float running_max[MAX_ROWS], running_sum[MAX_ROWS];
     int64_t last_pos[MAX_ROWS], q_row[MAX_ROWS];
     int first_token[MAX_ROWS + 1], tokens = 0, group = x->group, chunks = x->chunks;
@@ -242,7 +250,7 @@ static void attend_item(const Batch *x, Item it, const int *order) {
             int64_t row = q_row[r / group] * x->heads + (it.h0 + k) * group + r % group;
             vf *qs = query[k * rows + r];
             if (x->dot) { /* the bfloat16 row as it is, in the first half of its place */
-                memcpy(qs, (const uint16_t *)x->q + row * chunks * LANES, (size_t)chunks * LANES * 2);
+                memcpy(qs, (const uint16_t *)x->q + row * chunks * VL, (size_t)chunks * VL * 2);
             } else {
                 load_row(x->q, row, chunks, qs, x->bf16);
                 for (int c = 0; c < chunks; c++) qs[c] *= x->scale;
@@ -292,8 +300,8 @@ int paged_attention(const PagedAttentionArgs *args) {
         return -1;
     const int64_t *spans = args->spans;
     Batch x = {args->q, args->k_pool, args->v_pool, args->slots, spans, spans + batch, spans + 2 * (int64_t)batch,
-               args->table_len, args->pool_slots, heads, kv_heads, heads / kv_heads, dim / LANES, bf16,
-               dot_bf16(bf16, dim / LANES), args->scale, args->out};
+               args->table_len, args->pool_slots, heads, kv_heads, heads / kv_heads, dim / VL, bf16,
+               dot_bf16(bf16, dim / VL), args->scale, args->out};
     if (batch <= 0) return 0;
     int64_t most = 0;
     for (int b = 0; b < batch; b++) {

@@ -11,7 +11,7 @@
 #define MAX_ROWS 48   /* query rows (tokens x query heads) a work item holds */
 #define MAX_TILE 16   /* tokens a prefill tile holds */
 #define MAX_DIM 256   /* head dimension, a multiple of LANES */
-#define LANES 16      /* floats in a vector: one AVX512 register, two AVX2 ones (the compiler splits it) */
+#define LANES 16      /* head dimensions come in parts of this many floats (the vectors: paged_attention_vec.h's VL) */
 #define QT_STRIDE (MAX_ROWS + 16) /* a tile's transposed queries: an element of each row, room for spare lanes */
 
 /* q and out [tokens, heads, dim] (float32, or bfloat16 where bf16, as the pools are); spans [3, batch]: request b's

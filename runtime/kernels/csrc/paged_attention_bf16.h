@@ -41,7 +41,7 @@ static inline __attribute__((always_inline)) void row_scores_dot(const __m512i *
                 dot = _mm512_dpbf16_ps(dot, (__m512bh)q[i], (__m512bh)_mm512_loadu_si512(keys[first + j] + 32 * i));
             products[j] = (vf)dot;
         }
-        vf sums = sums16(products) * scale;
+        vf sums = lane_sums(products) * scale;
         memcpy(&scores[first], &sums, sizeof sums);
     }
 }
@@ -81,7 +81,7 @@ static inline void pair_weights(const float *w, uint32_t *high, uint32_t *low) {
 
 /* rows_values over interleaved values: each row's pair of weights times a pair of values, in sets of rows whose
  * accumulators fit in 16 registers. */
-static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_DIM / LANES], int rows, int chunks,
+static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_DIM / VL], int rows, int chunks,
                                                                   const int *visible, const __m512i *pairs,
                                                                   const uint32_t *high, const uint32_t *low,
                                                                   Strides at) {
@@ -112,7 +112,7 @@ static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_
 }
 
 /* A tile of one request's tokens (prefill) takes a block of keys transposed: lane i of scores[j][v] is row 16v + i's
- * score against key j. Row by row, each score is a dot product's 16 lanes summed across the vector (sums16), and a
+ * score against key j. Row by row, each score is a dot product's 16 lanes summed across the vector (lane_sums), and a
  * key is loaded once a row; transposed, each row's query pairs lie across 16 rows' lanes (qt), each key's pair is
  * broadcast, and the sums run down the pairs in each lane: no lane sums, a key's pairs read once for 16 rows. The
  * softmax runs across the lanes too, its maxima and sums by vector. Sums in another order than the rows' own, so the
@@ -121,7 +121,7 @@ static inline __attribute__((always_inline)) void rows_values_dot(vf (*acc)[MAX_
 
 static inline __attribute__((always_inline)) void tile_scores_dot(const uint32_t *qt, int halves, int rows,
                                                                   const uint16_t *const *keys, int count,
-                                                                  float scale, vf (*scores)[MAX_ROWS / 16]) {
+                                                                  float scale, vf (*scores)[MAX_ROWS / VL]) {
     const __m512 scaled = _mm512_set1_ps(scale);
     for (int v = 0; v < (rows + 15) / 16; v++)
         for (int first = 0; first < count; first += 16) {
@@ -180,11 +180,11 @@ static inline void tile_pairs(const float *weights, int rows, int count, uint32_
  * (unscaled) in its first halves vectors, and where qt is given (a tile's rows) the same pairs transposed, pair p of
  * row r at qt[p * QT_STRIDE + r]. */
 static inline __attribute__((always_inline)) void attend_block_dot_sized(
-    vf (*query)[MAX_DIM / LANES], vf (*acc)[MAX_DIM / LANES], float *running_max, float *running_sum,
+    vf (*query)[MAX_DIM / VL], vf (*acc)[MAX_DIM / VL], float *running_max, float *running_sum,
     const void *k_pool, const void *v_pool, const int64_t *slots, int count, Ahead ahead, int64_t first_pos,
     const int64_t *last_pos, int rows, int64_t pool_slots, int h, int kv_heads, int group, int chunks, float scale,
     const uint32_t *qt) {
-    int halves = chunks / 2, dim = chunks * LANES;
+    int halves = chunks / 2, dim = chunks * VL;
     const uint16_t *keys[BLOCK + 1], *values[BLOCK + 1]; /* past count: a row of zeros */
     for (int j = 0; j <= BLOCK; j++) {
         int64_t row = j < count ? checked(slots[j], pool_slots) * kv_heads + h : -1;
@@ -198,7 +198,7 @@ static inline __attribute__((always_inline)) void attend_block_dot_sized(
     int visible[MAX_ROWS];
     rows_visible(visible, rows, group, count, first_pos, last_pos);
     if (qt) {
-        vf scores[BLOCK][MAX_ROWS / 16];
+        vf scores[BLOCK][MAX_ROWS / VL];
         float weights[BLOCK * QT_STRIDE] __attribute__((aligned(64)));
         tile_scores_dot(qt, halves, rows, keys, count, scale, scores);
         tile_softmax(scores, visible, rows, count, acc, chunks, running_max, running_sum, weights);

@@ -19,20 +19,20 @@ typedef struct {
 /* Rows' scores (weights[r], the first visible[r] of them) become softmax weights against each row's running
  * maximum, zero past the keys the row sees, up to BLOCK; its running sum and accumulator are rescaled where the
  * maximum rose. A row that sees none of the block's keys keeps its state. */
-static inline void softmax_rows(float (*weights)[BLOCK], const int *visible, int rows, vf (*acc)[MAX_DIM / LANES],
+static inline void softmax_rows(float (*weights)[BLOCK], const int *visible, int rows, vf (*acc)[MAX_DIM / VL],
                                 int chunks, float *running_max, float *running_sum) {
     for (int r = 0; r < rows; r++) {
         float *w = weights[r];
-        int vectors = (visible[r] + LANES - 1) / LANES;
-        for (int j = visible[r]; j < vectors * LANES; j++) w[j] = -3.0e38f; /* exp gives 0 */
+        int vectors = (visible[r] + VL - 1) / VL;
+        for (int j = visible[r]; j < vectors * VL; j++) w[j] = -3.0e38f; /* exp gives 0 */
         if (vectors) {
             vf most = load_f32(w);
-            for (int j = 1; j < vectors; j++) most = vmax(most, load_f32(&w[j * LANES]));
+            for (int j = 1; j < vectors; j++) most = vmax(most, load_f32(&w[j * VL]));
             float block_max = hmax(most);
             float new_max = block_max > running_max[r] ? block_max : running_max[r];
             float rescale = exp_nonpositive((vf){} + (running_max[r] - new_max))[0];
             vf block_sum = {};
-            for (int j = 0; j < vectors * LANES; j += LANES) {
+            for (int j = 0; j < vectors * VL; j += VL) {
                 vf e = exp_nonpositive(load_f32(&w[j]) - new_max);
                 memcpy(&w[j], &e, sizeof e);
                 block_sum += e;
@@ -41,38 +41,38 @@ static inline void softmax_rows(float (*weights)[BLOCK], const int *visible, int
             running_max[r] = new_max;
             for (int c = 0; c < chunks; c++) acc[r][c] *= rescale;
         }
-        for (int j = vectors * LANES; j < BLOCK; j++) w[j] = 0.0f;
+        for (int j = vectors * VL; j < BLOCK; j++) w[j] = 0.0f;
     }
 }
 
-/* softmax_rows across lanes, 16 rows at once: their maxima and sums by vector, the weights stored key by key (row
+/* softmax_rows across lanes, VL rows at once: their maxima and sums by vector, the weights stored key by key (row
  * r's weight for key j at weights[j * QT_STRIDE + r]). A row that sees none of the block's keys keeps its state (its
  * rescale is exp(0), exactly 1). */
-static inline void tile_softmax(vf (*scores)[MAX_ROWS / 16], const int *visible, int rows, int count,
-                                vf (*acc)[MAX_DIM / LANES], int chunks, float *running_max, float *running_sum,
+static inline void tile_softmax(vf (*scores)[MAX_ROWS / VL], const int *visible, int rows, int count,
+                                vf (*acc)[MAX_DIM / VL], int chunks, float *running_max, float *running_sum,
                                 float *weights) {
     const vf none = (vf){} - 3.0e38f;
-    for (int v = 0; v < (rows + 15) / 16; v++) {
-        int lanes = rows - 16 * v < 16 ? rows - 16 * v : 16;
+    for (int v = 0; v < (rows + VL - 1) / VL; v++) {
+        int lanes = rows - VL * v < VL ? rows - VL * v : VL;
         vi seen = {};
         vf old_max = none, old_sum = {}, most = none, sum = {};
         for (int r = 0; r < lanes; r++) {
-            seen[r] = visible[16 * v + r];
-            old_max[r] = running_max[16 * v + r];
-            old_sum[r] = running_sum[16 * v + r];
+            seen[r] = visible[VL * v + r];
+            old_max[r] = running_max[VL * v + r];
+            old_sum[r] = running_sum[VL * v + r];
         }
         for (int j = 0; j < count; j++) most = vmax(most, pick(seen > j, scores[j][v], none));
         vf new_max = vmax(old_max, most), rescale = exp_nonpositive(old_max - new_max);
         for (int j = 0; j < count; j++) { /* a key the row does not see weighs 0, whatever its maximum */
             vf e = pick(seen > j, exp_nonpositive(scores[j][v] - new_max), (vf){});
-            memcpy(weights + j * QT_STRIDE + 16 * v, &e, sizeof e);
+            memcpy(weights + j * QT_STRIDE + VL * v, &e, sizeof e);
             sum += e;
         }
         vf total = old_sum * rescale + sum;
         for (int r = 0; r < lanes; r++) {
-            running_sum[16 * v + r] = total[r];
-            running_max[16 * v + r] = new_max[r];
-            for (int c = 0; c < chunks; c++) acc[16 * v + r][c] *= rescale[r];
+            running_sum[VL * v + r] = total[r];
+            running_max[VL * v + r] = new_max[r];
+            for (int c = 0; c < chunks; c++) acc[VL * v + r][c] *= rescale[r];
         }
     }
 }

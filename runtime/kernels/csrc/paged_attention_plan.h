@@ -31,7 +31,7 @@ typedef struct {
     void *out;
 } Batch;
 
-/* Whether request b's rows are scored as a tile, 16 rows across a vector's lanes (several new tokens: a prefill's),
+/* Whether request b's rows are scored as a tile, VL rows across a vector's lanes (several new tokens: a prefill's),
  * not row by row. A request's rows take one path wherever they are planned, so a request gets the same alone as
  * beside others. */
 static int tiled(const Batch *x, int b) { return x->q_counts[b] > 1; }

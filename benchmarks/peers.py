@@ -40,6 +40,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 from .peers_report import (
@@ -50,6 +51,7 @@ from .peers_report import (
     bandwidth_shares,
     compare,
     cpu_flags,
+    defaults_aims,
     gguf_facts,
     markdown,
     measured,
@@ -129,7 +131,7 @@ def furcate_worker(spec: dict, workloads: dict) -> dict:
         results["engine"] = {"dtype": engine.info.dtype, "quantized_layers": engine.info.quantized_layers,
                              "quantized_max_rows": engine.info.quantized_max_rows,
                              "start_seconds": round(time.perf_counter() - started, 1), **extra}
-        if spec["system"] == "furcate":
+        if spec["system"] == "furcate" and not spec.get("first_run"):
             results["engine"]["decode_graphs"] = wait_for_graphs(engine, workloads["decode_b1"], started)
 
         def run(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -147,6 +149,8 @@ def furcate_worker(spec: dict, workloads: dict) -> dict:
             assert engine.flush_cache()  # the prompt is prefilled in both timings
             return run([workloads["decode_b1"]], n)
         results["decode_b1"] = decode_summary(decode, sizes["decode_b1"]["output_len"], label(spec, "decode_b1"))
+        if spec.get("first_run"):  # whether compiled graphs arrived during the timed runs
+            results["engine"]["compiled_forward_calls"] = engine.get_stats()["compiled_forward_calls"]
     return results
 
 
@@ -291,11 +295,15 @@ def prepare_models(shape: str, quant_type: str) -> dict:
 
 
 def run_worker(spec: dict, workloads_file: pathlib.Path) -> dict:
+    """One (system, precision) in its own process; with spec["first_run"], furcate in an empty cache folder (its
+    kernels built, choices measured, model converted and decode graphs compiled as on a fresh machine)."""
     output = workloads_file.with_name(f"{spec['system']}-{spec['precision']}.json")
     spec = {**spec, "workloads": str(workloads_file), "output": str(output)}
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "benchmarks.peers", "--worker", json.dumps(spec)], check=True,
-                   cwd=REPOSITORY_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="furcate-first-run-") as fresh:
+        env = os.environ | ({"FURCATE_CACHE": fresh} if spec.get("first_run") else {})
+        subprocess.run([sys.executable, "-m", "benchmarks.peers", "--worker", json.dumps(spec)], check=True,
+                       cwd=REPOSITORY_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     result = json.loads(output.read_text())
     print(f"  {spec['system']} {spec['precision']}: done in {time.perf_counter() - started:.0f}s", flush=True)
     return result
@@ -377,6 +385,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--furcate-args", default="{}",
                         help='engine arguments added to furcate\'s, as JSON: \'{"enable_torch_compile": true}\'')
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes (4 prompts, 8 output tokens)")
+    parser.add_argument("--first-run", action="store_true",
+                        help="furcate as on a fresh machine: an empty cache, timed without waiting for its graphs")
     parser.add_argument("--hold-to-avx2", action="store_true",
                         help="emulate a CPU without AVX-512 on one that has it (hold_to_avx2)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -431,7 +441,7 @@ def run_all(args: argparse.Namespace, models: dict, workloads_file: pathlib.Path
                 continue
             spec = {"system": system, "precision": precision, "threads": args.threads, "sizes": sizes,
                     "furcate_model": models["furcate_model"], "hf_dir": models["hf_dir"],
-                    "furcate_args": json.loads(args.furcate_args),
+                    "furcate_args": json.loads(args.furcate_args), "first_run": args.first_run,
                     "gguf": models["ggufs"][PRECISIONS[precision]["llama.cpp"]]}
             if system == "vllm" and python is None:
                 results[precision][system] = {"status": "not installed"}
@@ -484,7 +494,7 @@ def main() -> None:
                          if n == "vllm" and measured(r)), None)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "model": models["name"],
               "model_shape": args.model_shape, "quick": args.quick, "threads": args.threads,
-              "held_to_avx2": AVX2_ENV if args.hold_to_avx2 else None,
+              "held_to_avx2": AVX2_ENV if args.hold_to_avx2 else None, "first_run": args.first_run,
               "furcate_args": json.loads(args.furcate_args),
               "load_before": [round(x, 2) for x in load_before], "cpu_flags": cpu_flags(), "bandwidth": bandwidth,
               "versions": {"furcate": furcate.__version__, "llama_cpp": llama_cpp.__version__, "vllm": vllm_version,
@@ -492,7 +502,7 @@ def main() -> None:
               "vllm_settings": settings,
               "engines": {p: {s: r.get("engine", r.get("status")) for s, r in systems.items()}
                           for p, systems in results.items()},
-              "table": table, "aims": aims(table),
+              "table": table, "aims": aims(table), "defaults_aims": defaults_aims(table),
               "decode_bandwidth": bandwidth_shares(results, step_bytes(models), bandwidth), "sizes": sizes,
               "matmul_rates": rates, "ceiling": ceiling, "ceiling_shares": shares(table, ceiling)}
     output = pathlib.Path(args.output) if args.output else default_output(args)

@@ -6,7 +6,7 @@ The quantized kernels (block_gemv.c's integer dot products, or torch's int4/int8
 activations) read 4-bit weights several times faster than a dense matmul at one row, but how far up the rows
 they keep winning depends on the CPU: with native bfloat16 (avx512_bf16) the dense layers catch up sooner,
 without it torch's kernels convert every product and may lose to float32. One flag cannot say which, so the
-engine times both kernels on the model's own layers at start-up (well under a second) and serves with the
+engine times both kernels on the model's own layers at start-up (1-2 s, once) and serves with the
 quantized kernel only the batch sizes where it won. It times a run through many layers, not one: a step streams
 every layer's weights from memory, while one layer's dense weights alone would sit in the cache and flatter the
 dense kernel. The choice is measured once per machine and model shape and then kept on disk (remembered_rows): on
@@ -45,16 +45,17 @@ PACKED_MARGIN = 0.95
 T = TypeVar("T")
 
 
-def best_seconds(paths: tuple[list[Callable], list[Callable]], x: torch.Tensor,
+def best_seconds(paths: tuple[list[Callable], list[Callable]], x: torch.Tensor | list[torch.Tensor],
                  repeats: int = 3) -> tuple[float, float]:
-    """Each path's best-of-repeats time for x through all its layers in turn, the two timed alternately so that
-    a burst of load elsewhere hits both alike; a first pass each warms lazy initialisation up."""
+    """Each path's best-of-repeats time for x (or x[i] for layer i) through all its layers in turn, the two timed
+    alternately so that a burst of load elsewhere hits both alike; a first pass each warms lazy initialisation up."""
     best = [float("inf"), float("inf")]
+    inputs = x if isinstance(x, list) else [x] * len(paths[0])
     with torch.inference_mode():
         for i in (0, 1, *([0, 1] * repeats)):
             started = time.perf_counter()
-            for layer in paths[i]:
-                layer(x)
+            for layer, layer_input in zip(paths[i], inputs):
+                layer(layer_input)
             best[i] = min(best[i], time.perf_counter() - started)
     return best[0], best[1]
 
@@ -64,8 +65,8 @@ def small_batch_rows(quantized: list[nn.Module], dense: list[nn.Linear]) -> int:
     same order) at every rung; 0 if they lost at one row already."""
     chosen = 0
     for rows in ROW_LADDER:
-        x = torch.randn(rows, dense[0].in_features).to(dense[0].weight.dtype)
-        quantized_s, dense_s = best_seconds((quantized, dense), x)
+        widths = {layer.in_features: torch.randn(rows, layer.in_features).to(layer.weight.dtype) for layer in dense}
+        quantized_s, dense_s = best_seconds((quantized, dense), [widths[layer.in_features] for layer in dense])
         logger.info("%d rows through %d layers: quantized %.0f us, dense %.0f us", rows, len(dense),
                     quantized_s * 1e6, dense_s * 1e6)
         if quantized_s > MARGIN * dense_s:

@@ -25,7 +25,7 @@ from benchmarks import peers_report
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_FILES = ("peers", "peers_1b", "peers_1b_quantized", "peers_vllm", "peers_no_bf16", "peers_1b_quantized_no_bf16",
-              "peers_epyc", "peers_1b_quantized_epyc")
+              "peers_epyc", "peers_1b_quantized_epyc", "peers_avx2_emulation")
 
 
 def pinned(package: str) -> str:
@@ -72,7 +72,8 @@ def plot_peers(name: str, out: pathlib.Path) -> pathlib.Path | None:
     if report is None:
         return None
     versions = report["versions"]
-    caption = (f"{report['date'][:10]}; {machine(report['cpu_flags'], report['threads'])}; furcate "
+    held = "; every system held to AVX2 (emulation)" if report.get("held_to_avx2") else ""
+    caption = (f"{report['date'][:10]}; {machine(report['cpu_flags'], report['threads'])}{held}; furcate "
                f"{versions['furcate']}, llama-cpp-python {versions['llama_cpp']}, vLLM {versions.get('vllm') or '-'}, "
                f"transformers {versions['transformers']}, torch {versions['torch']}; memory read "
                f"{report['bandwidth']['read_gb_s']:.1f} GB/s")

@@ -26,7 +26,7 @@ step. packed_linear_op.cpp's dense GEMV streams each weight row from the ordinar
 of the layers whose shape it measured faster on (kernel_choice.gemv_choice: 35-40% on the default model's bfloat16
 shapes on an AMD EPYC, where the compiled bfloat16 batch-1 step went from 8.9-9.9 to 7.4-8.2 ms, and float32's
 from 15.3-16.2 to 13.4-15.7). Built for float32 with AVX512F or AVX2 and bfloat16 with AVX512-BF16. A float32
-layer that packs from no row (MKL's F.linear won, as it does on AVX2-only CPUs) still takes the GEMV at one row where
+layer that packs from no row (MKL's F.linear won at every rung, as it did held to AVX2) takes the GEMV at one row where
 it measured faster than F.linear (held to AVX2, the float32 batch-1 step spent 54% of its samples in OpenMP's waits
 around MKL's GEMV).
 FURCATE_DENSE_GEMV=0 keeps one row on the packed copy or F.linear, =1 takes the GEMV without measuring.

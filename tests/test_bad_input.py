@@ -73,6 +73,9 @@ DEEP_TEXT = '{"not": ' * 5000 + "{}" + "}" * 5000
         ({"prompt": "x", "sampling_params": {"temperature": float("inf")}}, "temperature"),
         ({"prompt": "x", "sampling_params": {"top_p": float("nan")}}, "top_p"),
         ({"prompt": "x", "sampling_params": {"temperature": 10**400}}, "temperature"),
+        ({"prompt": "x", "sampling_params": {"temperature": 1e300}}, "float32"),  # inf in float32: NaN logits
+        ({"prompt": "x", "sampling_params": {"stop": ["ok", "\ud800"]}}, "lone surrogate"),  # can never match text
+        ({"prompt": "x", "sampling_params": {"stop_regex": "\udfff"}}, "lone surrogate"),
         ({"prompt": "x", "sampling_params": {"n": 10**9}}, "n must be"),
         ({"input_ids": [True, False]}, "input_ids"),
         ({"input_ids": {"a": 1}}, "input_ids must be"),

@@ -10,6 +10,8 @@ from typing import Any
 
 from ...grammars.spec import KINDS, GrammarSpec
 
+# The largest float32: sampling parameters beyond it overflow the sampler's tensors.
+FLOAT32_MAX = 3.4028234663852886e38
 # Below this temperature sampling is argmax, as in SGLang.
 GREEDY_TEMPERATURE = 1e-5
 MAX_NEW_TOKENS_DEFAULT = 128
@@ -113,6 +115,9 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
             raise ValueError(f"stop_regex must be a non-empty string or a list of them, got {self.stop_regex!r}")
+        for name, texts in (("stop", self.stop), ("stop_regex", self.stop_regex)):
+            if not all(_valid_text(text) for text in texts):
+                raise ValueError(f"{name} holds a lone surrogate, which decoded text never contains")
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
@@ -188,7 +193,7 @@ def _check_int(name: str, value: Any, low: int | None = None) -> None:
 
 def _check_float(name: str, value: Any, low: float | None = None, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise ValueError(f"{name} must be a finite number within float32's range, got {value!r}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
@@ -196,7 +201,18 @@ def _check_float(name: str, value: Any, low: float | None = None, high: float | 
 
 
 def _finite(value: int | float) -> bool:
+    """Finite as the sampler's float32 tensors hold it (1e300 is inf there, and a temperature of inf makes the
+    logits NaN under a grammar's mask)."""
     try:
-        return math.isfinite(float(value))
+        return math.isfinite(float(value)) and abs(float(value)) <= FLOAT32_MAX
     except OverflowError:  # an int too large for a float
         return False
+
+
+def _valid_text(text: str) -> bool:
+    """Whether text encodes as UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

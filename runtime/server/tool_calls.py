@@ -69,7 +69,7 @@ def answer_plan(req: ChatCompletionRequest, prompt_ids: list[int], prompt: str, 
     free = {k: v for k, v in sampling.items() if k not in CONSTRAINTS and k != "max_new_tokens"}
     return AnswerPlan(prompt_ids, free, constraint, sampling["max_new_tokens"], reasoning,
                       reasoning.opened_by(prompt) if reasoning else False, req.max_reasoning_tokens, tools, choice,
-                      call[0], call[1], req.parallel_tool_calls is not False,
+                      call[0], call[1], req.parallel_tool_calls is not False and choice.mode != "named",
                       (req.top_logprobs or 0) if req.logprobs else None, images, req.rid)
 
 

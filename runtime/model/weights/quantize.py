@@ -93,7 +93,8 @@ def measured_rows(layers: list[SmallBatchQuantized]) -> int:
     """quantization=auto: up to how many rows the quantized kernels beat the dense ones on this CPU (0: never),
     timed over all of them, as a step runs them, once per machine (kernel_choice.remembered_rows). Timed over the
     largest shape alone (the MLPs' up projections, where the quantized kernel gains most) it chose 32 rows on an
-    AVX2 CPU where the whole model ran 0.93x the dense time there, and batches of 17-32 ran 10-14% slower."""
+    Xeon held to AVX2 (an emulated AVX2-only CPU) where the whole model ran 0.93x the dense time there, and batches of
+    17-32 ran 10-14% slower."""
     return remembered_rows([m.quantized for m in layers], [m.dense for m in layers])
 
 

@@ -91,6 +91,9 @@ class EngineArgs:
     # Requests allowed to wait beyond the running batch; a new one past that is refused at once (the server
     # answers 503) instead of queueing without bound. None: no limit.
     max_queued_requests: int | None = None
+    # New requests the engine holds for a scheduler busy in a forward step (it reads between steps); past that a new
+    # request is refused at once (the server answers 503 with Retry-After) instead of blocking its caller.
+    max_pending_requests: int = 1024
     # Prompt tokens prefilled in one step, over all requests admitted together.
     max_prefill_tokens: int = 16384
     # Prompts longer than this are prefilled in chunks, one per step, while decoding continues; -1 disables.
@@ -227,11 +230,10 @@ class EngineArgs:
         if self.enable_torch_compile is not None and not isinstance(self.enable_torch_compile, bool):
             raise ValueError(f"enable_torch_compile must be True, False or None (unset), got "
                              f"{self.enable_torch_compile!r}")
-        size = self.torch_compile_max_bs
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"torch_compile_max_bs must be an integer >= 1, got {size!r}")
+        check_count("torch_compile_max_bs", self.torch_compile_max_bs)
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        check_count("max_pending_requests", self.max_pending_requests)
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
@@ -409,3 +411,8 @@ def _field_comments(cls: type) -> dict[str, str]:
         else:
             pending = []
     return comments
+
+
+def check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

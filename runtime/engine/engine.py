@@ -22,7 +22,7 @@ from ..multimodal.images import ImageLimits
 from ..multimodal.prompt import ImagePrompts
 from ..speculative.draft_check import prepare_draft_model
 from ..wire.control_calls import CheckIntegrity, FlushCache, GetStats, Shutdown
-from ..wire.messages import AbortReq, TokenizedGenerateReq
+from ..wire.messages import TokenizedGenerateReq
 from .generate_request import (
     AsyncChunks,
     BootstrapFields,
@@ -35,16 +35,13 @@ from .generate_request import (
 )
 from .launch import start_scheduler_process, started_one
 from .link import SchedulerLink
+from .outbox import QueueFullError
 from .request_builder import RequestBuilder
 from .request_state import RequestState
 from .rl import EngineRl
 from .schema_check import SchemaChecker
 
 STARTUP_TIMEOUT_S = 600
-
-
-class QueueFullError(RuntimeError):
-    """More requests are in flight than max_running_requests + max_queued_requests allow; retry later."""
 
 
 class _Reader:
@@ -102,8 +99,8 @@ class Engine(EngineRl):
         self.args = prepare_draft_model(self.args, self.model_path)  # STANDALONE: a bad draft model fails here
         self.tokenizer_path = self.args.tokenizer_path or self.model_path
         self._process, conn = start_scheduler_process()
-        self._link = SchedulerLink(self._process, conn)
-        self._link.send((self.args, self.model_path, self.tokenizer_path))
+        self._link = SchedulerLink(self._process, conn, self.args.max_pending_requests)
+        conn.send((self.args, self.model_path, self.tokenizer_path))
         try:  # the tokenizer loads here while the scheduler process imports torch
             self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
             self.info = self._link.wait_ready(STARTUP_TIMEOUT_S)
@@ -117,7 +114,7 @@ class Engine(EngineRl):
         self.schema_checker = SchemaChecker()  # validates finished json_schema outputs on the receiver thread
         # Called (on the receiver thread) with each request's RequestState when it ends: the server's metrics.
         self.request_observers: list[Callable[[RequestState], None]] = self._link.observers
-        self._link.receiver.start()
+        self._link.start()
 
     # -- public API ---------------------------------------------------------------------------------------
 
@@ -216,7 +213,7 @@ class Engine(EngineRl):
         """Abort request `rid`, and the requests a list or n > 1 call derived from it (`rid-i-j`)."""
         derived = [r for r in self._link.in_flight() if r.startswith(f"{rid}-")]
         for one in [rid, *derived]:
-            self._link.send(AbortReq(one))
+            self._link.abort(one)
 
     def num_in_flight(self) -> int:
         return len(self._link.in_flight())
@@ -225,6 +222,11 @@ class Engine(EngineRl):
         """Scheduler counters (forward time, KV pool occupancy, running and waiting requests) and this side's
         structured-output checks (schema_checked, schema_violations, schema_incomplete, schema_unchecked)."""
         return {**self._rpc(GetStats()), **self.schema_checker.stats()}
+
+    def get_load(self) -> dict[str, Any]:
+        """get_stats' scheduler counters as of its latest step, answered at once however long the step running now
+        takes (/get_load, /metrics), and the requests still on their way to it (`pending`)."""
+        return {**self._link.load, "pending": self._link.outbox.pending()}
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; False (nothing done) while running requests hold parts of it."""

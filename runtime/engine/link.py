@@ -1,6 +1,7 @@
-"""The caller's end of the scheduler process: the connection both ways, the receiver thread that folds each output
-into its request's state, and control calls waiting for their answers. A scheduler that dies (or a connection that
-breaks) fails every request and call in flight at once, and the link refuses new ones."""
+"""The caller's end of the scheduler process: the connection both ways (writes through the outbox's sender thread,
+so no caller blocks on a busy scheduler), the receiver thread that folds each output into its request's state, the
+scheduler's latest load report, and control calls waiting for their answers. A scheduler that dies (or a connection
+that breaks) fails every request and call in flight at once, and the link refuses new ones."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..wire.messages import AbortReq, RpcOut, RpcReq, SchedulerError, SchedulerReady
+from ..wire.finish_reason import FinishReason
+from ..wire.messages import AbortReq, LoadReport, ReqOutput, RpcOut, RpcReq, SchedulerError, SchedulerReady
+from .outbox import Outbox
 from .request_state import RequestState
 
 
 class SchedulerLink:
-    def __init__(self, process: subprocess.Popen, conn: Connection) -> None:
+    def __init__(self, process: subprocess.Popen, conn: Connection, pending_limit: int) -> None:
         self.process, self.conn = process, conn
-        self.send_lock = threading.Lock()
+        self.outbox = Outbox(conn, pending_limit, self._broken)
+        self.load: dict[str, Any] = {}  # the scheduler's counters after its latest step (SchedulerReady, LoadReport)
         self.lock = threading.Lock()  # guards states and rpc_waiters (the receiver thread and callers share them)
         self.states: dict[str, RequestState] = {}
         self.rpc_waiters: dict[int, Future] = {}
@@ -31,9 +35,10 @@ class SchedulerLink:
         self.observers: list[Callable[[RequestState], None]] = []
         self.receiver = threading.Thread(target=self._receive_loop, daemon=True, name="furcate-receiver")
 
-    def send(self, message: Any) -> None:
-        with self.send_lock:
-            self.conn.send(message)
+    def start(self) -> None:
+        """Start both threads, once the scheduler is ready (what came before went through `conn` directly)."""
+        self.outbox.start()
+        self.receiver.start()
 
     def wait_ready(self, timeout: float) -> SchedulerReady:
         try:
@@ -44,6 +49,7 @@ class SchedulerLink:
             raise RuntimeError(f"scheduler process exited with code {self.process.wait()} during start-up") from None
         if isinstance(message, SchedulerError):
             raise RuntimeError(f"scheduler failed to start:\n{message.message}")
+        self.load = message.load
         return message
 
     def check_serving(self) -> None:
@@ -59,15 +65,31 @@ class SchedulerLink:
             if state.req.rid in self.states:
                 raise ValueError(f"rid {state.req.rid!r} is already in flight")
             self.states[state.req.rid] = state
-        self.send(state.req)
+        try:
+            self.outbox.put_request(state.req.rid, state.req)
+        except BaseException:
+            with self.lock:
+                self.states.pop(state.req.rid, None)
+            raise
 
     def abandon(self, state: RequestState) -> None:
         """Nobody waits for this request any more: forget it here (later outputs are dropped) and abort it."""
         with self.lock:
             self.states.pop(state.req.rid, None)
         self.observe(state)
-        if self.dead is None and not self.closed:
-            self.send(AbortReq(state.req.rid))
+        self.abort(state.req.rid)
+
+    def abort(self, rid: str) -> None:
+        """Abort one request: one still in the outbox is withdrawn and ends here as the scheduler would end it."""
+        if self.outbox.withdraw(rid):
+            self._dispatch(aborted(rid))
+        elif self.dead is None and not self.closed:
+            self.outbox.put_control(AbortReq(rid))
+
+    def withdraw_all(self) -> None:
+        """End every request the scheduler has not received yet (abort_all: it aborts the ones it has)."""
+        for rid in self.outbox.withdraw_all():
+            self._dispatch(aborted(rid))
 
     def in_flight(self) -> list[str]:
         with self.lock:
@@ -81,10 +103,20 @@ class SchedulerLink:
         call_id = next(self.call_ids)
         with self.lock:
             self.rpc_waiters[call_id] = future
-        self.send(RpcReq(call, call_id))
-        return future.result(timeout=timeout)
+        try:
+            self.outbox.put_control(RpcReq(call, call_id))
+        except BaseException:
+            with self.lock:
+                self.rpc_waiters.pop(call_id, None)
+            raise
+        try:
+            return future.result(timeout=timeout)
+        finally:
+            with self.lock:  # timed out: an answer that comes later has nobody to go to
+                self.rpc_waiters.pop(call_id, None)
 
     def close(self, why: Exception) -> None:
+        self.outbox.stop(timeout=5)
         self.conn.close()
         self.fail_all(why)
 
@@ -108,6 +140,9 @@ class SchedulerLink:
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, RpcOut):
             self._answer(message)
+            return
+        if isinstance(message, LoadReport):
+            self.load = message.counters
             return
         with self.lock:
             state = self.states.get(message.rid)
@@ -138,6 +173,11 @@ class SchedulerLink:
         self.dead = error
         self.fail_all(error)
 
+    def _broken(self, error: Exception) -> None:
+        """The sender could not write: the scheduler's end is gone (the receiver sees it too, unless shutting down)."""
+        if not self.closed and self.dead is None:
+            self._die(RuntimeError(f"connection to the scheduler broke: {type(error).__name__}: {error}"))
+
     def _fail_one(self, rid: str | None, error: Exception) -> None:
         """A request whose output could not be processed (e.g. detokenized) fails alone and is aborted."""
         with self.lock:
@@ -147,7 +187,7 @@ class SchedulerLink:
                 state.fail(RuntimeError(f"request {rid} failed while its output was processed: "
                                         f"{type(error).__name__}: {error}"))
             if self.dead is None and not self.closed:
-                self.send(AbortReq(rid))
+                self.outbox.put_control(AbortReq(rid))
 
     def fail_all(self, error: Exception) -> None:
         with self.lock:
@@ -157,3 +197,8 @@ class SchedulerLink:
             state.fail(error)
         for future in waiters:
             future.set_exception(error)
+
+
+def aborted(rid: str) -> ReqOutput:
+    """The output the scheduler gives a request aborted before it ran."""
+    return ReqOutput(rid=rid, new_token_ids=[], finish_reason=FinishReason.abort("aborted by request"))

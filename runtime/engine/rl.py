@@ -102,7 +102,7 @@ def _load_format(load_format: Any) -> None:
 
 
 class EngineRl:
-    """Mixed into Engine: needs its _rpc(call, timeout)."""
+    """Mixed into Engine: needs its _rpc(call, timeout), abort(rid) and _link."""
 
     def _control(self, call: Any, timeout: float = 600) -> tuple[bool, str]:
         result: ControlResult = self._rpc(call, timeout=timeout)
@@ -189,6 +189,7 @@ class EngineRl:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """SGLang's form of abort(): one request (and those derived from it), or with abort_all every one."""
         if check_flag("abort_all", abort_all):
+            self._link.withdraw_all()  # ahead of the call, which goes ahead of every request still to be sent
             self._control(AbortAll())
             return
         self.abort(check_text("rid", rid))

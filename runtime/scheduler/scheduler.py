@@ -21,7 +21,7 @@ from ..executor.batch import ReqSlice, ScheduleBatch, build_batch
 from ..executor.model_runner import ModelRunner, SamplingInputs, StepResult
 from ..wire.control_calls import Shutdown
 from ..wire.finish_reason import FinishReason
-from ..wire.messages import AbortReq, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
+from ..wire.messages import AbortReq, LoadReport, ReqOutput, RpcOut, RpcReq, SchedulerReady, TokenizedGenerateReq
 from .assembly import build_plugins, control_calls
 from .launchers import OverlapLauncher, PlainLauncher, VerifyingLauncher
 from .memory import MemoryManager
@@ -30,7 +30,7 @@ from .plugins.speculation import Speculator, step_tokens
 from .policy import order_waiting
 from .prefill_adder import PrefillAdder
 from .req import Req
-from .stats import scheduler_handlers
+from .stats import scheduler_handlers, stats
 
 logger = logging.getLogger("furcate.scheduler")
 
@@ -60,6 +60,7 @@ class Scheduler:
         self.rng = random.Random(args.random_seed)
         self.launcher = self._launcher(plugins.speculator)
         self.outputs: list[Any] = []
+        self.reported: dict[str, Any] | None = None  # the counters last sent in a LoadReport
         self.cached_tokens_total = 0
         self.jumped_tokens = 0
         self.prompt_tokens_total = 0
@@ -83,6 +84,7 @@ class Scheduler:
             quantized_max_rows=self.runner.quantized.max_rows,
             disaggregation_mode=self.args.disaggregation_mode,
             tp_size=self.runner.tp.size,
+            load=stats(self),
         )
 
     @property
@@ -108,7 +110,9 @@ class Scheduler:
     def event_loop(self) -> None:
         try:
             while self.receive_messages(block=not (self.has_work and not self.held or self.launcher.busy)):
+                self.send_outputs()  # control answers now, not after the step: a prefill chunk can take seconds
                 self.step()
+                self.report_load()
                 self.send_outputs()
         finally:
             self.launcher.close()
@@ -135,6 +139,14 @@ class Scheduler:
             plugin.advance()
         self.outputs += self.rpc.advance()
         return True
+
+    def report_load(self) -> None:
+        """The counters after this step, ahead of its outputs (a caller that sees its request end sees the load
+        without it), when they changed."""
+        counters = stats(self)
+        if counters != self.reported:
+            self.outputs.insert(0, LoadReport(counters))
+            self.reported = counters
 
     def send_outputs(self) -> None:
         if self.outputs:

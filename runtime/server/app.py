@@ -21,6 +21,7 @@ logger = logging.getLogger("furcate.server")
 
 # Routes a load balancer probes without credentials.
 OPEN_ROUTES = frozenset({"/health", "/health_generate"})
+RETRY_AFTER_S = 1  # a full queue drains as requests finish: decode steps take milliseconds, a prefill seconds
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -44,8 +45,10 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return await handler(request)
     except ApiError as error:
         return error_response(error.status, error.message, error.error_type)
-    except QueueFullError as error:
-        return error_response(503, str(error))
+    except QueueFullError as error:  # the engine is full now, not broken: clients and routers retry after a pause
+        response = error_response(503, str(error))
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
     except ValueError as error:  # the engine's validation: the request is wrong, not the server
         return error_response(400, str(error))
     except TimeoutError as error:

@@ -3,7 +3,6 @@ scheduler gauges (queue, running batch, KV usage, cache hit rate) read from the 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -72,8 +71,8 @@ class ServerMetrics:
             self.itl.observe(latency)
 
     async def render(self) -> tuple[bytes, str]:
-        stats = await asyncio.to_thread(self.engine.get_stats)
-        self.queue.set(stats["waiting"])
+        stats = self.engine.get_load()  # never waits for a busy scheduler
+        self.queue.set(stats["waiting"] + stats["pending"])
         self.running.set(stats["running"])
         total = stats["max_total_tokens"]
         self.kv_usage.set((total - stats["kv_available"]) / total if total else 0.0)

@@ -146,11 +146,13 @@ async def get_server_info(request: web.Request) -> web.Response:
 
 async def get_load(request: web.Request) -> web.Response:
     """SGLang's load report, one entry per data-parallel rank (one here); sglang-router's power_of_two policy
-    sums num_tokens. num_tokens: KV slots held by requests (cached but unused prefixes excluded)."""
-    stats = await asyncio.to_thread(_engine(request).get_stats)
-    in_use = stats["max_total_tokens"] - stats["kv_available"] - stats["evictable_tokens"]
-    return web.json_response([{"dp_rank": 0, "num_reqs": stats["running"] + stats["waiting"],
-                               "num_waiting_reqs": stats["waiting"], "num_tokens": in_use}])
+    sums num_tokens. num_tokens: KV slots held by requests (cached but unused prefixes excluded). As of the
+    scheduler's latest step, so it answers at once; requests not yet taken by the scheduler count as waiting."""
+    load = _engine(request).get_load()
+    in_use = load["max_total_tokens"] - load["kv_available"] - load["evictable_tokens"]
+    waiting = load["waiting"] + load["pending"]
+    return web.json_response([{"dp_rank": 0, "num_reqs": load["running"] + waiting, "num_waiting_reqs": waiting,
+                               "num_tokens": in_use}])
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -148,6 +148,14 @@ class ReqOutput:
 
 
 @dataclass
+class LoadReport:
+    """The scheduler's counters (GetStats) after a step, sent ahead of that step's outputs when they changed: the
+    engine answers /get_load and /metrics from the latest one without waiting for a busy scheduler."""
+
+    counters: dict[str, Any]
+
+
+@dataclass
 class SchedulerReady:
     """First message from the scheduler process: facts the engine needs to validate requests."""
 
@@ -160,6 +168,7 @@ class SchedulerReady:
     quantized_max_rows: int = 0  # for forwards of up to this many rows (-1: every forward); measured (auto)
     disaggregation_mode: str = "null"
     tp_size: int = 1  # processes the model is split over (tensor parallelism)
+    load: dict[str, Any] = field(default_factory=dict)  # the counters before any request (then LoadReport's)
 
 
 class PeerServerError(RuntimeError):

@@ -127,6 +127,9 @@ def test_bad_engine_arguments_name_the_field():
         EngineArgs(max_total_tokens=1)
     with pytest.raises(TypeError):
         EngineArgs(not_an_argument=1)
+    for pending in (0, -3, True, 2.5, "8", float("nan")):
+        with pytest.raises(ValueError, match="max_pending_requests must be an integer >= 1"):
+            EngineArgs(max_pending_requests=pending)
     for field in ("model_path", "tokenizer_path", "speculative_draft_model_path"):
         with pytest.raises(ValueError, match=f"{field} must be a path .* got list"):
             EngineArgs(**{field: ["/tmp"]})

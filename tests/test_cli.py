@@ -42,6 +42,7 @@ def test_serve_flags_arrive_typed():
     (["serve", "--port", "70000"], "port"),
     (["serve", "--api-key", ""], "api_key"),
     (["serve", "--max-queued-requests", "-1"], "max_queued_requests"),
+    (["serve", "--max-pending-requests", "0"], "max_pending_requests"),
     (["serve", "--dp-size", "0"], "dp_size"),
     (["serve", "--dp-size", "100000"], "dp_size"),
     (["serve", "--router-policy", "fastest"], "router-policy"),

@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SENTINELS = ("\u2063furcate-content-a\u2063", "\u2063furcate-content-b\u2063", "\u2063furcate-content-c\u2063")
+from .image_markers import ImageMarkers, find_image_markers
+from .template_probe import SENTINELS, TemplateProbe
+
 ROLES = ("system", "user", "assistant")
 # Conversations put before the messages being measured, so that templates that insist on an order (a user turn
 # first, roles alternating) render them.
@@ -44,14 +46,19 @@ class RoleMarkers:
 
 @dataclass
 class ChatTemplate:
-    """Renders role markers with `tokenizer.apply_chat_template`; `template` overrides the tokenizer's own."""
+    """Role and image markers of `tokenizer`'s chat template; `template` (a Jinja string) overrides its own."""
 
     tokenizer: Any
     template: str | None = None
     _markers: dict[str, RoleMarkers] = field(default_factory=dict)
     _suffixes: dict[str, str] = field(default_factory=dict)
+    _tails: dict[str, str] = field(default_factory=dict)
+    _images: dict[str, ImageMarkers | None] = field(default_factory=dict)
     _default_system: str | None = None
     _default_system_known: bool = False
+
+    def __post_init__(self) -> None:
+        self.probe = TemplateProbe(self.tokenizer, self.template)
 
     def markers(self, role: str) -> RoleMarkers:
         if role not in self._markers:
@@ -65,11 +72,30 @@ class ChatTemplate:
             self._default_system_known = True
         return self._default_system
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        if self.template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template, so roles cannot be rendered; pass "
-                             "chat_template=... to the backend")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template)
+    def message(self, role: str, text: str) -> dict[str, Any]:
+        """A message of `text` as the template reads it: a string, or one text part (LLaVA-1.5's template)."""
+        return self.probe.message(role, text)
+
+    def text_as_parts(self) -> bool:
+        return self.probe.text_as_parts()
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        return self.probe.render(messages)
+
+    def generation_tail(self, previous: str) -> str:
+        """Whitespace that ends the assistant's prefix after a `previous` message but not the template's
+        generation prompt (LLaVA's renders 'ASSISTANT: ' before an answer, and prompts with 'ASSISTANT:'): a
+        generation there starts from the prompt and writes that whitespace itself."""
+        if previous not in self._tails:
+            self._tails[previous] = self._find_generation_tail(previous)
+        return self._tails[previous]
+
+    def image_markers(self, role: str, placeholder: str) -> ImageMarkers | None:
+        """How the template shows an image in a `role` message; None: it renders no image parts (a template
+        written for strings), and an image shows as the model's `placeholder` where it stands."""
+        if role not in self._images:
+            self._images[role] = find_image_markers(self.probe, role, placeholder, self._suffix(role))
+        return self._images[role]
 
     def _find_markers(self, role: str) -> RoleMarkers:
         first = self._first_prefix(role)
@@ -86,7 +112,7 @@ class ChatTemplate:
 
     def _first_prefix(self, role: str) -> str | None:
         for followers in FOLLOWERS:
-            pieces = self._pieces((role, *followers))
+            pieces = self.probe.pieces((role, *followers))
             if pieces is not None:
                 return pieces[0]
         return None
@@ -94,7 +120,7 @@ class ChatTemplate:
     def _between(self, previous: str, role: str) -> str | None:
         """The text between a `previous` message's content and a `role` message's content right after it."""
         for context in CONTEXTS:
-            pieces = self._pieces((*context, previous, role))
+            pieces = self.probe.pieces((*context, previous, role))
             if pieces is not None:
                 return pieces[-2]
         return None
@@ -102,7 +128,7 @@ class ChatTemplate:
     def _after_last(self, role: str) -> str | None:
         """The text after a `role` message's content when it ends the conversation."""
         for context in CONTEXTS:
-            pieces = self._pieces((*context, role))
+            pieces = self.probe.pieces((*context, role))
             if pieces is not None:
                 return pieces[-1]
         return None
@@ -116,7 +142,7 @@ class ChatTemplate:
         return self._suffixes[role]
 
     def _closing_text(self, role: str) -> str:
-        folded = self._pieces((role,)) is None and self._first_prefix(role) is not None
+        folded = self.probe.pieces((role,)) is None and self._first_prefix(role) is not None
         last = None if folded else self._after_last(role)
         if last is None:
             return ""
@@ -126,28 +152,21 @@ class ChatTemplate:
             last = last[: -len(eos)]
         return last
 
-    def _pieces(self, roles: tuple[str, ...]) -> list[str] | None:
-        """The rendering of a conversation of `roles` (each message's content a distinct sentinel) cut at the
-        sentinels: the text before the first, between each two, after the last. None: the template refuses that
-        conversation or does not show every message's content once, in order."""
-        contents = [SENTINELS[i % len(SENTINELS)] + str(i) for i in range(len(roles))]
-        try:
-            text = self.render([{"role": r, "content": c} for r, c in zip(roles, contents)])
-        except Exception:  # noqa: BLE001 - templates raise anything on orders they refuse
-            return None
-        pieces = []
-        for content in contents:
-            head, found, text = text.partition(content)
-            if not found or content in text:
-                return None
-            pieces.append(head)
-        return [*pieces, text]
+    def _find_generation_tail(self, previous: str) -> str:
+        between = self._between(previous, "assistant")
+        for context in CONTEXTS:
+            pieces = self.probe.pieces((*context, previous), generation=True)
+            if pieces is not None:
+                prompt = pieces[-1]
+                tail = between[len(prompt):] if between is not None and between.startswith(prompt) else ""
+                return tail if tail.isspace() else ""
+        return ""
 
     def _refusal(self, role: str) -> str:
         """The template's own words for why it refuses a conversation opened by `role` (Gemma 2: 'System role
         not supported'), or nothing when it renders one."""
         try:
-            self.render([{"role": role, "content": SENTINELS[0]}, {"role": "user", "content": SENTINELS[1]}])
+            self.render([self.message(role, SENTINELS[0]), self.message("user", SENTINELS[1])])
         except Exception as error:  # noqa: BLE001 - templates raise anything on orders they refuse
             return f": {error}"
         return ""
@@ -172,8 +191,8 @@ class ChatTemplate:
         """Whether the found default, sent back as a system message, renders as the template's own default does
         (SmolLM3's removes '/think' from any system message, its own default's '</think>' included: there the
         default stays part of the user's first prefix, not a message)."""
-        probe = {"role": "user", "content": SENTINELS[0]}
+        probe = self.message("user", SENTINELS[0])
         try:
-            return self.render([{"role": "system", "content": default}, probe]) == self.render([probe])
+            return self.render([self.message("system", default), probe]) == self.render([probe])
         except Exception:  # noqa: BLE001 - templates raise anything on orders they refuse
             return False

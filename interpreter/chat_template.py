@@ -6,7 +6,10 @@ messages. Templates differ in what sits between two messages, so a role's prefix
 Gemma 3 folds the system message into the first user turn (nothing but a blank line between them), OLMo 2 ends an
 assistant turn with EOS and starts the next user turn with a newline. What a template appends only to a finished
 conversation (Phi-3's EOS, when no generation prompt follows) is left out of a role's suffix: the text a program
-continues from is the conversation so far, as a generation prompt would see it.
+continues from is the conversation so far, as a generation prompt would see it. Where the generation prompt stops
+short of the assistant's prefix by whitespace (LLaVA's `ASSISTANT:` before `ASSISTANT: ` + content), an answer
+generated there starts from the prompt. How an image shows in a message is measured the same way
+(image_markers.py).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class ChatTemplate:
     _images: dict[str, ImageMarkers | None] = field(default_factory=dict)
     _default_system: str | None = None
     _default_system_known: bool = False
+    probe: TemplateProbe = field(init=False)
 
     def __post_init__(self) -> None:
         self.probe = TemplateProbe(self.tokenizer, self.template)
@@ -75,9 +79,6 @@ class ChatTemplate:
     def message(self, role: str, text: str) -> dict[str, Any]:
         """A message of `text` as the template reads it: a string, or one text part (LLaVA-1.5's template)."""
         return self.probe.message(role, text)
-
-    def text_as_parts(self) -> bool:
-        return self.probe.text_as_parts()
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         return self.probe.render(messages)

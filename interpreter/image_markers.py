@@ -58,6 +58,7 @@ class Conversation:
     role: str
 
     def cut(self, parts: list[dict[str, Any]], follower: str | None = None) -> list[str] | None:
+        """The rendering cut at its texts, with a `follower` message after the measured one if given."""
         messages = [self.probe.message(role, sentinel(i)) for i, role in enumerate(self.context)]
         messages.append({"role": self.role, "content": parts})
         if follower is not None:
@@ -70,6 +71,8 @@ class Conversation:
 
 
 def _markers_after(conversation: Conversation, suffix: str) -> ImageMarkers | None:
+    """The markers read off messages with and without images after the conversation's context; None: the
+    template refuses one of them, or shows an image differently when another precedes it."""
     text = text_part(conversation.text(0))
     plain = conversation.cut([text])
     shown = conversation.cut([image_part(), text])

@@ -21,9 +21,10 @@ from transformers import AutoImageProcessor, LlavaProcessor
 import furcate as sgl
 from conftest import EXACT, assert_pool_free, engines_side_by_side
 from furcate import LocalBackend, ProgramError
-from furcate.runtime.server.chat_render import render_chat
+from furcate.runtime.server.chat_render import TOOLS_PREAMBLE, render_chat
 from furcate.runtime.server.openai_protocol import ChatCompletionRequest, parse
 from furcate.runtime.server.server_process import ServerProcess
+from furcate.runtime.server.tool_calls import request_tools
 from tiny_models import PATCH, build_tiny_llava, build_tiny_qwen_vl
 from vision_references import LlavaReference, QwenVLReference
 
@@ -216,6 +217,18 @@ def test_the_openai_chat_route_renders_content_parts_as_the_template(family, eng
                     {"role": "user", "content": [text("And "), {"type": "image"}]}]
     rendered = render_chat(engines[family], parse(ChatCompletionRequest, body), [])
     assert rendered == references[family].prompt(conversation)
+
+
+def test_tools_join_a_system_message_of_parts(engines):
+    """LLaVA's template takes no tools: they go into the system message, whose text is a text part there."""
+    body = {"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture(6))}},
+                                                      {"type": "text", "text": "What time is it?"}]}],
+            "tools": [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]}
+    req = parse(ChatCompletionRequest, body)
+    rendered = render_chat(engines["llava"], req, request_tools(req)[0])
+    assert rendered.startswith("Be brief.\n\n" + TOOLS_PREAMBLE) and '"get_time"' in rendered
+    assert rendered.endswith(" USER: <image>\nWhat time is it? ASSISTANT:")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from ..engine.engine import Engine
-from ..multimodal.content_parts import as_parts, shows_image_parts
+from ..multimodal.content_parts import as_parts, shows_image_parts, text_part
 from ..tools.protocol import ToolFunction, history_arguments
 from . import openai_format as fmt
 from .errors import ApiError
@@ -107,9 +107,18 @@ def _calls_text(content: str, calls: list[tuple[str, str, Any]]) -> str:
 def _with_tools_message(messages: list[dict[str, Any]], tools: list[ToolFunction]) -> list[dict[str, Any]]:
     listing = "\n".join(json.dumps(tool.as_template_tool(), ensure_ascii=False) for tool in tools)
     if messages and messages[0]["role"] == "system":
-        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{TOOLS_PREAMBLE}{listing}")
+        first = dict(messages[0], content=_with_text(messages[0]["content"], f"\n\n{TOOLS_PREAMBLE}{listing}"))
         return [first, *messages[1:]]
     return [{"role": "system", "content": TOOLS_PREAMBLE + listing}, *messages]
+
+
+def _with_text(content: str | list[dict[str, Any]], more: str) -> str | list[dict[str, Any]]:
+    """Content with `more` text at its end: in its last text part where the content is parts ending with one."""
+    if isinstance(content, str):
+        return content + more
+    if content and content[-1]["type"] == "text":
+        return [*content[:-1], text_part(content[-1]["text"] + more)]
+    return [*content, text_part(more)]
 
 
 def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:

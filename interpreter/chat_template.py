@@ -6,7 +6,10 @@ messages. Templates differ in what sits between two messages, so a role's prefix
 Gemma 3 folds the system message into the first user turn (nothing but a blank line between them), OLMo 2 ends an
 assistant turn with EOS and starts the next user turn with a newline. What a template appends only to a finished
 conversation (Phi-3's EOS, when no generation prompt follows) is left out of a role's suffix: the text a program
-continues from is the conversation so far, as a generation prompt would see it.
+continues from is the conversation so far, as a generation prompt would see it. Where the generation prompt stops
+short of the assistant's prefix by whitespace (LLaVA's `ASSISTANT:` before `ASSISTANT: ` + content), an answer
+generated there starts from the prompt. How an image shows in a message is measured the same way
+(image_markers.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SENTINELS = ("\u2063furcate-content-a\u2063", "\u2063furcate-content-b\u2063", "\u2063furcate-content-c\u2063")
+from .image_markers import ImageMarkers, find_image_markers
+from .template_probe import SENTINELS, TemplateProbe
+
 ROLES = ("system", "user", "assistant")
 # Conversations put before the messages being measured, so that templates that insist on an order (a user turn
 # first, roles alternating) render them.
@@ -44,14 +49,20 @@ class RoleMarkers:
 
 @dataclass
 class ChatTemplate:
-    """Renders role markers with `tokenizer.apply_chat_template`; `template` overrides the tokenizer's own."""
+    """Role and image markers of `tokenizer`'s chat template; `template` (a Jinja string) overrides its own."""
 
     tokenizer: Any
     template: str | None = None
     _markers: dict[str, RoleMarkers] = field(default_factory=dict)
     _suffixes: dict[str, str] = field(default_factory=dict)
+    _tails: dict[str, str] = field(default_factory=dict)
+    _images: dict[str, ImageMarkers | None] = field(default_factory=dict)
     _default_system: str | None = None
     _default_system_known: bool = False
+    probe: TemplateProbe = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.probe = TemplateProbe(self.tokenizer, self.template)
 
     def markers(self, role: str) -> RoleMarkers:
         if role not in self._markers:
@@ -65,11 +76,27 @@ class ChatTemplate:
             self._default_system_known = True
         return self._default_system
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        if self.template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template, so roles cannot be rendered; pass "
-                             "chat_template=... to the backend")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template)
+    def message(self, role: str, text: str) -> dict[str, Any]:
+        """A message of `text` as the template reads it: a string, or one text part (LLaVA-1.5's template)."""
+        return self.probe.message(role, text)
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        return self.probe.render(messages)
+
+    def generation_tail(self, previous: str) -> str:
+        """Whitespace that ends the assistant's prefix after a `previous` message but not the template's
+        generation prompt (LLaVA's renders 'ASSISTANT: ' before an answer, and prompts with 'ASSISTANT:'): a
+        generation there starts from the prompt and writes that whitespace itself."""
+        if previous not in self._tails:
+            self._tails[previous] = self._find_generation_tail(previous)
+        return self._tails[previous]
+
+    def image_markers(self, role: str, placeholder: str) -> ImageMarkers | None:
+        """How the template shows an image in a `role` message; None: it renders no image parts (a template
+        written for strings), and an image shows as the model's `placeholder` where it stands."""
+        if role not in self._images:
+            self._images[role] = find_image_markers(self.probe, role, placeholder, self._suffix(role))
+        return self._images[role]
 
     def _find_markers(self, role: str) -> RoleMarkers:
         first = self._first_prefix(role)
@@ -86,7 +113,7 @@ class ChatTemplate:
 
     def _first_prefix(self, role: str) -> str | None:
         for followers in FOLLOWERS:
-            pieces = self._pieces((role, *followers))
+            pieces = self.probe.pieces((role, *followers))
             if pieces is not None:
                 return pieces[0]
         return None
@@ -94,7 +121,7 @@ class ChatTemplate:
     def _between(self, previous: str, role: str) -> str | None:
         """The text between a `previous` message's content and a `role` message's content right after it."""
         for context in CONTEXTS:
-            pieces = self._pieces((*context, previous, role))
+            pieces = self.probe.pieces((*context, previous, role))
             if pieces is not None:
                 return pieces[-2]
         return None
@@ -102,7 +129,7 @@ class ChatTemplate:
     def _after_last(self, role: str) -> str | None:
         """The text after a `role` message's content when it ends the conversation."""
         for context in CONTEXTS:
-            pieces = self._pieces((*context, role))
+            pieces = self.probe.pieces((*context, role))
             if pieces is not None:
                 return pieces[-1]
         return None
@@ -116,7 +143,7 @@ class ChatTemplate:
         return self._suffixes[role]
 
     def _closing_text(self, role: str) -> str:
-        folded = self._pieces((role,)) is None and self._first_prefix(role) is not None
+        folded = self.probe.pieces((role,)) is None and self._first_prefix(role) is not None
         last = None if folded else self._after_last(role)
         if last is None:
             return ""
@@ -126,28 +153,21 @@ class ChatTemplate:
             last = last[: -len(eos)]
         return last
 
-    def _pieces(self, roles: tuple[str, ...]) -> list[str] | None:
-        """The rendering of a conversation of `roles` (each message's content a distinct sentinel) cut at the
-        sentinels: the text before the first, between each two, after the last. None: the template refuses that
-        conversation or does not show every message's content once, in order."""
-        contents = [SENTINELS[i % len(SENTINELS)] + str(i) for i in range(len(roles))]
-        try:
-            text = self.render([{"role": r, "content": c} for r, c in zip(roles, contents)])
-        except Exception:  # noqa: BLE001 - templates raise anything on orders they refuse
-            return None
-        pieces = []
-        for content in contents:
-            head, found, text = text.partition(content)
-            if not found or content in text:
-                return None
-            pieces.append(head)
-        return [*pieces, text]
+    def _find_generation_tail(self, previous: str) -> str:
+        between = self._between(previous, "assistant")
+        for context in CONTEXTS:
+            pieces = self.probe.pieces((*context, previous), generation=True)
+            if pieces is not None:
+                prompt = pieces[-1]
+                tail = between[len(prompt):] if between is not None and between.startswith(prompt) else ""
+                return tail if tail.isspace() else ""
+        return ""
 
     def _refusal(self, role: str) -> str:
         """The template's own words for why it refuses a conversation opened by `role` (Gemma 2: 'System role
         not supported'), or nothing when it renders one."""
         try:
-            self.render([{"role": role, "content": SENTINELS[0]}, {"role": "user", "content": SENTINELS[1]}])
+            self.render([self.message(role, SENTINELS[0]), self.message("user", SENTINELS[1])])
         except Exception as error:  # noqa: BLE001 - templates raise anything on orders they refuse
             return f": {error}"
         return ""
@@ -172,8 +192,8 @@ class ChatTemplate:
         """Whether the found default, sent back as a system message, renders as the template's own default does
         (SmolLM3's removes '/think' from any system message, its own default's '</think>' included: there the
         default stays part of the user's first prefix, not a message)."""
-        probe = {"role": "user", "content": SENTINELS[0]}
+        probe = self.message("user", SENTINELS[0])
         try:
-            return self.render([{"role": "system", "content": default}, probe]) == self.render([probe])
+            return self.render([self.message("system", default), probe]) == self.render([probe])
         except Exception:  # noqa: BLE001 - templates raise anything on orders they refuse
             return False

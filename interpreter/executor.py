@@ -36,7 +36,9 @@ from ..runtime.tools.reasoning import reasoning_format, split
 from .backends.base import Backend
 from .errors import ProgramError
 from .events import EventLog, TextEvent
+from .image_markers import ImageMarkers
 from .loop import call_soon, on_interpreter_loop
+from .open_role import OpenRole, ShownImage
 
 # The executor whose program function is running in this context (its reads must not wait for it to return).
 RUNNING_BODY: contextvars.ContextVar[Executor | None] = contextvars.ContextVar("furcate_running_body",
@@ -60,10 +62,9 @@ class Executor:
         self.variables: dict[str | None, Any] = {}
         self.meta_info: dict[str | None, Any] = {}
         self.output_types: dict[str | None, Any] = {}
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
         self.images: list[Any] = []  # the images self.text shows, in the order of their placeholders
-        self.role: str | None = None
-        self.role_begin = 0
+        self.open_role: OpenRole | None = None
         self.fork_start = 0
         self.scopes: dict[str, int] = {}
         self.error: ProgramError | None = None
@@ -119,7 +120,7 @@ class Executor:
         child.output_types = dict(self.output_types)
         child.messages = list(self.messages)
         child.images = list(self.images)
-        child.role, child.role_begin = self.role, self.role_begin
+        child.open_role = self.open_role.copy() if self.open_role is not None else None
         child.fork_start = len(self.text)
         return child
 
@@ -172,9 +173,19 @@ class Executor:
             raise ProgramError(expr.describe(), error) from error
 
     def _append(self, text: str, var: str | None = None, meta_info: dict | None = None) -> None:
+        if text:
+            self._write_held()
         self.text += text
         if text:
             self.log.append(TextEvent(text, var, meta_info))
+
+    def _write_held(self) -> None:
+        """Write the whitespace the open role's prefix holds back: what comes next is not a generation."""
+        role = self.open_role
+        if role is not None and role.held:
+            held, role.held = role.held, ""
+            self._append(held)
+            role.begin = len(self.text)
 
     def _set_var(self, name: str | None, value: Any, meta_info: Any = None, output_type: Any = None) -> None:
         self.variables[name] = value
@@ -188,6 +199,8 @@ class Executor:
         self._append(expr.text)
 
     async def _gen(self, expr: Gen) -> None:
+        if self.open_role is not None:  # the prompt ends as the template's generation prompt does
+            self.open_role.left_to_model, self.open_role.held = self.open_role.held, ""
         sampling = {**self.sampling, **expr.sampling}
         if expr.constraint is not None:  # built once by gen(); a backend that talks HTTP flattens it (wire_sampling)
             sampling["grammar"] = expr.constraint
@@ -218,6 +231,7 @@ class Executor:
     async def _select(self, expr: Select) -> None:
         method = expr.choices_method
         choices = list(expr.choices)
+        self._write_held()
         scores = await self.backend.score_choices(self.text, choices, method.requires_unconditional,
                                                   images=self.images)
         decision: ChoicesDecision = method(choices, scores, expr.temperature)
@@ -234,34 +248,68 @@ class Executor:
         self.variables[f"{name}_reasoning_content"] = reasoning
 
     async def _role_begin(self, expr: RoleBegin) -> None:
-        if self.role is not None:
-            raise ValueError(f"the {expr.role} role begins inside the {self.role} role; roles do not nest")
+        if self.open_role is not None:
+            raise ValueError(f"the {expr.role} role begins inside the {self.open_role.role} role; roles do not nest")
         template = self.backend.chat_template()
         if not self.messages and expr.role != "system":
             default_system = template.default_system_prompt()
             if default_system:  # the template would insert it; keep text and messages() in step
                 markers = template.markers("system")
                 self._append(markers.first_prefix + default_system + markers.suffix)
-                self.messages.append({"role": "system", "content": default_system})
+                self.messages.append(template.message("system", default_system))
         previous = self.messages[-1]["role"] if self.messages else None
-        self._append(template.markers(expr.role).prefix_after(previous))
-        self.role, self.role_begin = expr.role, len(self.text)
+        prefix = template.markers(expr.role).prefix_after(previous)
+        held = template.generation_tail(previous) if expr.role == "assistant" and previous is not None else ""
+        self._append(prefix[: len(prefix) - len(held)])
+        self.open_role = OpenRole(expr.role, len(self.text), held)
 
     async def _role_end(self, expr: RoleEnd) -> None:
-        if self.role != expr.role:
-            raise ValueError(f"{expr.role}_end without a matching {expr.role}_begin (open role: {self.role})")
-        content = self.text[self.role_begin:]
-        self._append(self.backend.chat_template().markers(expr.role).suffix)
-        self.messages.append({"role": expr.role, "content": content})
-        self.role = None
+        role = self.open_role
+        if role is None or role.role != expr.role:
+            raise ValueError(f"{expr.role}_end without a matching {expr.role}_begin (open role: "
+                             f"{role and role.role})")
+        self._write_held()
+        message = self._message_of(role)
+        self._append(self._closing_of(role))
+        self.messages.append(message)
+        self.open_role = None
+
+    def _message_of(self, role: OpenRole) -> dict[str, Any]:
+        """The role's message: content parts where it shows images as parts, else its text as the template reads
+        text."""
+        if role.images:
+            return {"role": role.role, "content": role.parts(self.text)}
+        return self.backend.chat_template().message(role.role, role.plain(self.text))
+
+    def _closing_of(self, role: OpenRole) -> str:
+        markers = self._image_markers(role) if role.ends_with_image(self.text) else None
+        return markers.closing if markers is not None else self.backend.chat_template().markers(role.role).suffix
 
     async def _media(self, expr: Image | Video) -> None:
         placeholder = self.backend.image_placeholder if isinstance(expr, Image) else None
         if placeholder is None:
             raise ValueError(f"this backend ({type(self.backend).__name__}) serves a text-only model; it takes no "
                              f"{expr.describe()} input")
-        self._append(placeholder)
+        role = self.open_role
+        markers = self._image_markers(role) if role is not None else None
+        if role is None or markers is None:  # outside roles, or a template for strings: the placeholder in place
+            self._append(placeholder)
+        else:
+            self._show_in_role(role, markers, expr.source)
         self.images.append(expr.source)
+
+    def _image_markers(self, role: OpenRole) -> ImageMarkers | None:
+        return self.backend.chat_template().image_markers(role.role, self.backend.image_placeholder)
+
+    def _show_in_role(self, role: OpenRole, markers: ImageMarkers, source: Any) -> None:
+        """Append an image part as the chat template renders it, where the program put it."""
+        self._write_held()
+        if not markers.after_text and role.has_text(self.text):
+            raise ValueError(f"this model's chat template shows the images of a {role.role!r} message before its "
+                             f"text, so an image cannot follow text there: put sgl.image(...) first in the role")
+        start = len(self.text)
+        self._append(markers.text)
+        role.images.append(ShownImage(start, len(self.text), source))
 
     async def _var_ref(self, expr: VarRef) -> None:
         if expr.name not in self.variables:

@@ -124,10 +124,13 @@ class ProgramState(BuildingMethods):
         self.sync()
         return self.executor.text
 
-    def messages(self) -> list[dict[str, str]]:
-        """The roles added so far as an OpenAI-style message list."""
+    def messages(self) -> list[dict[str, Any]]:
+        """The roles added so far as a message list: each content a string, or where the model's chat template
+        shows images (or reads text only from parts), HF's content parts (`{"type": "image", "image": source}`,
+        `{"type": "text", "text": ...}`), as `processor.apply_chat_template` takes them."""
         self.sync()
-        return [dict(m) for m in self.executor.messages]
+        return [{**m, "content": list(m["content"]) if isinstance(m["content"], list) else m["content"]}
+                for m in self.executor.messages]
 
     # -- streaming --------------------------------------------------------------------------------------------
 

@@ -14,15 +14,14 @@ import pytest
 import requests
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
 import furcate as sgl
 from conftest import EXACT, assert_pool_free, engines_side_by_side
 from furcate import LocalBackend
 from furcate.runtime.server.server_process import ServerProcess
 from tiny_models import build_tiny_llava
+from vision_references import TOKENS_PER_IMAGE, LlavaReference
 
-TOKENS_PER_IMAGE = 16
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 PROMPTS = [  # (prompt, number of images)
     ("Describe <image> in a few words:", 1),
@@ -52,29 +51,6 @@ def engines(llava_dir):
         yield started
         for engine in started:
             assert_pool_free(engine)
-
-
-class LlavaReference:
-    def __init__(self, model_dir) -> None:
-        self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.processor = AutoImageProcessor.from_pretrained(model_dir)
-        self.image_token = self.model.config.image_token_index
-
-    def expanded(self, prompt: str) -> list[int]:
-        ids = []
-        for token in self.tokenizer.encode(prompt):
-            ids += [token] * (TOKENS_PER_IMAGE if token == self.image_token else 1)
-        return ids
-
-    @torch.inference_mode()
-    def greedy(self, prompt: str, images: list[Image.Image], max_new_tokens: int = 8) -> list[int]:
-        ids = torch.tensor([self.expanded(prompt)])
-        pixels = torch.from_numpy(self.processor(images=images, return_tensors="np")["pixel_values"])
-        out = self.model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
-                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                                  pad_token_id=0)
-        return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 import furcate as sgl
 from conftest import EXACT, assert_pool_free, engines_side_by_side
@@ -17,6 +16,7 @@ from furcate import LocalBackend
 from furcate.runtime.multimodal.mrope import prompt_positions
 from furcate.runtime.wire.messages import ImageSpan
 from tiny_models import QWEN_MERGE, build_tiny_qwen_vl
+from vision_references import QwenVLReference
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -49,32 +49,6 @@ def engines(model_dir):
         yield started
         for engine in started:
             assert_pool_free(engine)
-
-
-class QwenVLReference:
-    def __init__(self, model_dir) -> None:
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.processor = AutoImageProcessor.from_pretrained(model_dir)
-        self.image_token = self.model.config.image_token_id
-
-    def inputs(self, prompt: str, images: list[Image.Image]) -> dict[str, torch.Tensor]:
-        """HF's model inputs: each `<|image_pad|>` expanded to its image's tokens, as Qwen2VLProcessor does."""
-        pixels = dict(self.processor(images=images, return_tensors="pt")) if images else {}
-        counts = iter((pixels["image_grid_thw"].prod(-1) // QWEN_MERGE**2).tolist() if images else [])
-        ids: list[int] = []
-        for token in self.tokenizer.encode(prompt):
-            ids += [token] * (next(counts) if token == self.image_token else 1)
-        input_ids = torch.tensor([ids])
-        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-                "mm_token_type_ids": (input_ids == self.image_token).int(), **pixels}
-
-    @torch.inference_mode()
-    def greedy(self, prompt: str, images: list[Image.Image], max_new_tokens: int = 8) -> list[int]:
-        inputs = self.inputs(prompt, images)
-        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                  do_sample=False, pad_token_id=0)
-        return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -74,13 +74,14 @@ def build_tiny_model(arch: str, directory: Path, tokenizer_dir: Path, config=Non
 IMAGE_SIZE, PATCH = 32, 8  # a tiny CLIP tower: 16 patches, so 16 tokens per image
 
 
-def build_tiny_llava(directory: Path, tokenizer_dir: Path) -> Path:
+def build_tiny_llava(directory: Path, tokenizer_dir: Path, chat_template: str | None = None) -> Path:
     """LlavaForConditionalGeneration: the tiny Llama text model, a 2-layer CLIP tower on 32x32 images and its
-    projector, the default model's tokenizer with an `<image>` token, and a CLIP image processor (the PIL one:
-    no torchvision)."""
+    projector, the default model's tokenizer with an `<image>` token (and `chat_template` in place of its own, if
+    given), and a CLIP image processor (the PIL one: no torchvision)."""
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = chat_template or tokenizer.chat_template
     text = LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)}, tie_word_embeddings=False)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=IMAGE_SIZE, patch_size=PATCH, initializer_range=0.3)
@@ -105,14 +106,16 @@ QWEN_VISION = {
 }
 
 
-def build_tiny_qwen_vl(kind: str, directory: Path, tokenizer_dir: Path) -> Path:
+def build_tiny_qwen_vl(kind: str, directory: Path, tokenizer_dir: Path, chat_template: str | None = None) -> Path:
     """Qwen2VLForConditionalGeneration (kind "qwen2_vl") or Qwen2_5_VLForConditionalGeneration ("qwen2_5_vl"): a
     tiny Qwen2 text model with M-RoPE, a 2-block vision transformer on 8-pixel patches merged 2 x 2, the default
     model's tokenizer with Qwen2-VL's vision tokens, and the image processor (the PIL one: no torchvision) sizing
-    images to 32x32 .. 64x64 pixels, so an image takes 4 to 16 tokens."""
+    images to 32x32 .. 64x64 pixels, so an image takes 4 to 16 tokens. `chat_template`: in place of the
+    tokenizer's own, if given."""
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
+    tokenizer.chat_template = chat_template or tokenizer.chat_template
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
                    tokenizer.convert_tokens_to_ids(QWEN_VL_TOKENS)))
     # head_dim 16: 8 rotary frequencies, 2 temporal, 3 height, 3 width.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -14,13 +15,13 @@ class JinjaTemplateTokenizer:
     chat_template: str | None
     special_tokens: dict[str, str] = field(default_factory=dict)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
-                            chat_template: str | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False,
+                            chat_template: str | None = None, add_generation_prompt: bool = False) -> str:
         # transformers is imported here, on first use: importing a backend stays light.
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if tokenize:
             raise ValueError("a chat template without its tokenizer renders text only")
         rendered, _ = render_jinja_template([messages], chat_template=chat_template or self.chat_template,
-                                            **self.special_tokens)
+                                            add_generation_prompt=add_generation_prompt, **self.special_tokens)
         return rendered[0]

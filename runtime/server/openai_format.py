@@ -6,6 +6,7 @@ import time
 import uuid
 from typing import Any
 
+from ..multimodal.content_parts import image_part, text_part
 from .errors import ApiError
 from .openai_protocol import ChatCompletionRequest, SamplingFields
 
@@ -93,6 +94,16 @@ def message_text(content: Any, image_placeholder: str = "") -> str:
     if isinstance(content, str):
         return content
     return "".join(part.text if part.type == "text" else image_placeholder for part in content)
+
+
+def message_parts(content: Any) -> list[dict[str, Any]]:
+    """A message's content as HF's content parts, which a vision-language model's chat template reads: a text part
+    for its text, an image part for each image_url part, where it stood."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [text_part(content)]
+    return [text_part(part.text) if part.type == "text" else image_part() for part in content]
 
 
 def message_images(content: Any) -> list[str]:

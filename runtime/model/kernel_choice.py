@@ -49,14 +49,14 @@ MARGIN = 0.9
 # Rows at which a float32 packed linear is timed against F.linear, and the share by which it must win.
 PACKED_LADDER = (1, 8, 64)
 PACKED_MARGIN = 0.95
-# What stands in for quantization=auto's rows when timings under load disagree: below every idle measurement so
-# far (8 rows against bfloat16 on avx512_bf16, 16 on an AVX512-VNNI CPU without it, 32 against float32), where
-# the 4-bit kernel reads a quarter of the bytes.
+# What stands in for quantization=auto's rows when timings under load disagree: at or below every idle
+# measurement so far (4-8 rows against bfloat16 on avx512_bf16, 16 on an AVX512-VNNI CPU without it, 32 against
+# float32), rows where the 4-bit kernel reads a quarter of the bytes.
 SAFE_ROWS = 4
 # A timing counts as taken under load when others kept more cores busy than this process's threads leave free,
 # plus this margin (a burst of another process's work is not load).
 BUSY_MARGIN_CORES = 0.5
-MEASURE_TRIES = 3  # timings under load, at most, before the fallback stands in
+MEASURE_TRIES = 2  # timings under load, at most (each costs a start its time again), before the fallback stands in
 PROBE_S = 0.25  # how long a start watches the CPUs before measuring a provisional choice again
 REDO = "`furcate prepare --remeasure` measures every choice again"
 T = TypeVar("T")

@@ -80,7 +80,6 @@ def _prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import dataclasses
 
     from .runtime.config import EngineArgs
-
     from .runtime.model.weights.checkpoint import load_config, resolve_model_path
 
     try:  # a bad option or model fails here, before any stored choice is forgotten

@@ -20,8 +20,16 @@ from ..config import EngineArgs
 from .build_locks import key_lock, wait_lock
 from .compiled_decode import CompiledDecode, compilable, compile_graphs, size_classes
 from .graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled, start_background_build
-from .graph_cache import (complete, graph_dir, graph_file, graph_key, load_graphs, prune_unused, save_graph,
-                          use_furcate_inductor_cache)
+from .graph_cache import (
+    complete,
+    graph_dir,
+    graph_file,
+    graph_key,
+    load_graphs,
+    prune_unused,
+    save_graph,
+    use_furcate_inductor_cache,
+)
 
 logger = logging.getLogger("furcate.model_runner")
 

@@ -40,8 +40,16 @@ import torch
 from ..cache.memory_pool import TokenToKVPool
 from .build_locks import holder, key_lock, max_builders, note_holder, take_slot, try_lock
 from .compiled_decode import compile_graphs
-from .graph_cache import (complete, graph_dir, graph_file, graph_key, load_graphs, prune_unused, save_graph,
-                          use_furcate_inductor_cache)
+from .graph_cache import (
+    complete,
+    graph_dir,
+    graph_file,
+    graph_key,
+    load_graphs,
+    prune_unused,
+    save_graph,
+    use_furcate_inductor_cache,
+)
 from .serving_model import load_serving_model
 
 logger = logging.getLogger("furcate.graph_builder")

@@ -151,3 +151,13 @@ def key_of(model: torch.nn.Module) -> str:
     attn = model.model.layers[0].self_attn
     pool = TokenToKVPool(16, len(model.model.layers), attn.num_kv_heads, attn.head_dim, torch.float32, "cpu")
     return graph_key(model, pool, [1, 2])
+
+
+def test_a_graph_builder_takes_a_provisional_choice_as_kept(private_cache, tmp_path, monkeypatch):
+    """The builder loads the engine's model again: measuring a provisional choice there could give another key
+    than the engine's."""
+    Load(monkeypatch)  # idle
+    monkeypatch.setattr(kernel_choice, "MEASURE_PROVISIONAL", False)
+    path = tmp_path / "rows.json"
+    path.write_text('{"value": 2, "busy_cores": 3.0, "provisional": true}')
+    assert kernel_choice.remembered(path, lambda: pytest.fail("measured"), int, "rows", 4) == 2

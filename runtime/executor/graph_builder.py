@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.memory_pool import TokenToKVPool
+from ..model import kernel_choice
 from .build_locks import holder, key_lock, max_builders, note_holder, take_slot, try_lock
 from .compiled_decode import compile_graphs
 from .graph_cache import (
@@ -341,6 +342,7 @@ def main() -> int:
         die_with(args.engine)
     lower_priority()
     signal.alarm(BUILD_TIMEOUT_S)  # never outlive a stuck compile
+    kernel_choice.MEASURE_PROVISIONAL = False
     logging.basicConfig(level=logging.INFO)
     torch.set_num_threads(args.spec.threads)
     use_furcate_inductor_cache()

@@ -59,6 +59,9 @@ BUSY_MARGIN_CORES = 0.5
 MEASURE_TRIES = 2  # timings under load, at most (each costs a start its time again), before the fallback stands in
 PROBE_S = 0.25  # how long a start watches the CPUs before measuring a provisional choice again
 REDO = "`furcate prepare --remeasure` measures every choice again"
+# False in a graph builder: it loads the engine's model again, and must take the choices the engine took (the
+# graphs' key covers them), so there a provisional choice is kept even on an idle machine.
+MEASURE_PROVISIONAL = True
 T = TypeVar("T")
 
 
@@ -191,7 +194,7 @@ class Choice(Generic[T]):
 def steady(measure: Callable[[], T], fallback: T) -> Choice[T]:
     """measure()'s result as taken when the machine is idle; under load, measured again until two timings in a
     row agree, else `fallback` (a safe middle value, never one extreme a skewed timing picks), provisional."""
-    limit, busiest, last = busy_limit(), 0.0, []
+    limit, busiest, last = busy_limit(), 0.0, []  # last: the previous timing's value, in a list (None is a value)
     for _ in range(MEASURE_TRIES):
         value, busy = timed(measure)
         if busy <= limit:
@@ -220,7 +223,7 @@ def remembered(path: pathlib.Path, measure: Callable[[], T], parse: Callable[[ob
     """measure()'s result as kept at path (parse turns the saved JSON back into it, raising on anything else):
     measured when none is kept, or when the kept one is provisional and the machine is idle now."""
     choice = kept(path, parse)
-    if choice is not None and (not choice.provisional or busy_now()):
+    if choice is not None and (not choice.provisional or not MEASURE_PROVISIONAL or busy_now()):
         logger.info("%s: %s, kept (%s; %s)", what, choice.value, choice.how(), REDO)
         return choice.value
     choice = steady(measure, fallback)

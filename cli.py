@@ -1,5 +1,6 @@
-"""Command line: `furcate prepare` converts the default model once; `furcate generate` runs a prompt;
-`furcate serve` runs the HTTP server (native and OpenAI APIs).
+"""Command line: `furcate prepare` gets a model ready ahead of time (converted, kernel choices measured, compiled
+decode graphs built); `furcate generate` runs a prompt; `furcate serve` runs the HTTP server (native and OpenAI
+APIs).
 
 Every check that needs no model runs before the engine boots, and a bad value is one line and exit code 2.
 """
@@ -20,7 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="furcate", description="Structured LLM programs and their runtime.")
     parser.add_argument("--version", action="version", version=f"furcate {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("prepare", help="convert the embedded default model (GGUF) into the cache folder")
+    prepare = commands.add_parser(
+        "prepare", help="get a model ready to serve with these engine options, and wait: convert it (the default "
+        "model, or a GGUF file), measure its kernel choices, build its compiled decode graphs")
+    prepare.add_argument("--remeasure", action="store_true",
+                         help="forget every kept kernel choice (every model's) and measure this one's again")
+    EngineArgs.add_cli_args(prepare.add_argument_group("engine (graphs are built for the options given here)"))
+    prepare.set_defaults(log_level="info")  # the progress: each kernel choice, each graph as it compiles
     generate = commands.add_parser("generate", help="generate from a prompt on a local engine")
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -46,10 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        from .runtime.model.weights.default_model import prepare_default_model
-
-        print(prepare_default_model())
-        return 0
+        return _prepare(parser, args)
     if args.command == "serve":
         return _serve(parser, args)
     try:
@@ -68,6 +72,46 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as error:
         parser.error(str(error))
     return serve(engine_args, server_args)
+
+
+def _prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Start an engine with these options that compiles its decode graphs at start-up (the key a later engine
+    with the same options looks up), report what it chose and built, and stop it."""
+    import dataclasses
+
+    from .runtime.config import EngineArgs
+    from .runtime.model.weights.checkpoint import load_config, resolve_model_path
+
+    try:  # a bad option or model fails here, before any stored choice is forgotten
+        engine_args = EngineArgs.from_cli_args(args)
+        load_config(resolve_model_path(engine_args.model_path))
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    if engine_args.enable_torch_compile is None:
+        engine_args = dataclasses.replace(engine_args, enable_torch_compile=True)
+    if args.remeasure:
+        from .runtime.model.kernel_choice import forget_choices
+
+        print(f"forgot {forget_choices()} kept kernel choice(s): this model's are measured again", flush=True)
+    return _prepared(parser, engine_args)
+
+
+def _prepared(parser: argparse.ArgumentParser, engine_args) -> int:
+    from .runtime.engine.engine import Engine
+
+    try:
+        engine = Engine(**vars(engine_args))
+    except (ValueError, OSError) as error:  # e.g. a model without a tokenizer: before any process starts
+        parser.error(str(error))
+    with engine:
+        graphs = engine.get_stats()["decode_graphs"]
+        print(f"model: {engine.model_path}")
+        print(f"quantized_max_rows: {engine.info.quantized_max_rows}")
+        print(f"decode graphs: {graphs}")
+    if engine_args.enable_torch_compile and graphs != "compiled":
+        print("furcate prepare: the decode graphs were not built: see the warnings above", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _checked(args: argparse.Namespace) -> tuple:

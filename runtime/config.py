@@ -135,9 +135,10 @@ class EngineArgs:
     # CPU: decode batches of up to torch_compile_max_bs requests run as one torch.compile'd graph per batch-size
     # class (runtime/executor/compiled_decode.py), saved on disk once compiled, so later starts load them in seconds.
     # Unset: a start that finds no saved graphs decodes eagerly while a low-priority process builds them (for the
-    # default model on 2 cores ~2 min), then switches to them (runtime/executor/graph_builder.py). True: compile at
-    # start-up instead (~100 s the first time). False: steps always run eagerly. Not under tensor parallelism nor
-    # with sliding-window layers.
+    # default model on 2 cores ~2 min; it stops with the engine), then switches to them
+    # (runtime/executor/graph_builder.py); `furcate prepare` builds them ahead of time. True: compile at start-up
+    # instead (~100 s the first time). False: steps always run eagerly. Not under tensor parallelism nor with
+    # sliding-window layers.
     enable_torch_compile: bool | None = None
     torch_compile_max_bs: int = 32
     # CPU kernels (docs/engine.md, "CPU kernel switches"), each on where it builds and pays; off keeps torch's path.

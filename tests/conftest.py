@@ -164,6 +164,15 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FURCATE_CACHE", str(tmp_path))
 
 
+@pytest.fixture
+def idle_machine(monkeypatch):
+    """Kernel choices measured in this process see an idle machine (kernel_choice.busy_elsewhere), whatever else
+    runs here: a test that counts measurements would otherwise count the second timing a busy machine asks for."""
+    from furcate.runtime.model import kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "busy_elsewhere", lambda start, end: 0.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dirs):
     """A live `furcate serve` on the tiny llama model, on a free loopback port (no API key)."""

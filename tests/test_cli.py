@@ -54,6 +54,10 @@ def test_serve_flags_arrive_typed():
     (["generate", "hi", "--json-schema", "{bad"], "not valid JSON"),
     (["generate", "hi", "--regex", "x", "--choices", "a"], "at most one"),
     (["generate", "hi", "--max-total-tokens", "3"], "max_total_tokens"),
+    (["prepare", "--model-path", "/no/such/model"], "not a directory"),
+    (["prepare", "--torch-compile-max-bs", "0"], "torch_compile_max_bs"),
+    (["prepare", "--remeasure", "--quantization", "fast"], "invalid choice"),
+    (["prepare", "--remeasure=yes"], "ignored explicit argument"),
 ])
 def test_bad_values_exit_2_with_one_error_line_before_booting(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
@@ -66,3 +70,17 @@ def test_bad_values_exit_2_with_one_error_line_before_booting(capsys, argv, mess
 def test_version():
     out = subprocess.run([sys.executable, "-m", "furcate.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("furcate ")
+
+
+def test_prepare_with_a_bad_model_is_one_error_and_forgets_no_kernel_choice(private_cache, tmp_path, capsys):
+    kept = tmp_path / "kernel_choice" / "0123.json"
+    kept.parent.mkdir()
+    kept.write_text('{"value": 8, "busy_cores": 0.0, "provisional": false}')
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.gguf").write_bytes(b"not a gguf")
+    for model in ("empty", "weights.gguf", "kernel_choice/0123.json"):
+        with pytest.raises(SystemExit) as exited:
+            main(["prepare", "--remeasure", "--model-path", str(tmp_path / model)])
+        assert exited.value.code == 2
+        assert len([line for line in capsys.readouterr().err.splitlines() if "error:" in line]) == 1
+    assert kept.exists()

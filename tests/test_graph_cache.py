@@ -4,9 +4,12 @@ default engine that decodes eagerly until they arrive, then through them, with t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +17,22 @@ import torch
 from conftest import EXACT, NO_GRAMMAR
 from furcate import Engine
 from furcate.runtime.cache.memory_pool import TokenToKVPool
+from furcate.runtime.executor.build_locks import KEY_LOCK, MAX_BUILDERS_ENV, holder, key_lock, max_builders, try_lock
 from furcate.runtime.executor.compiled_decode import compile_graphs, decode_step, uses_paged_kernel
-from furcate.runtime.executor.graph_builder import LOCK, BuildSpec, build, build_lock
+from furcate.runtime.executor.graph_builder import BuildSpec, build
 from furcate.runtime.executor.graph_cache import complete, graph_dir, graph_file, graph_key, load_graphs, save_graphs
 from furcate.runtime.kernels import paged_attention
 from furcate.runtime.model.weights.loader import load_model
 
 BUILD_WAIT_S = 600  # a cold build of the tiny model is ~30 s on 2 cores; CI's machines may be slower
+BUILDER = "furcate.runtime.executor.graph_builder"
+HOLD_A_LOCK = """
+import pathlib, sys, time
+from furcate.runtime.executor.build_locks import try_lock
+assert try_lock(pathlib.Path(sys.argv[1])) is not None
+print("held", flush=True)
+time.sleep(600)
+"""
 
 
 def tiny(tiny_model_dirs, dtype=torch.float32, pool_tokens: int = 64):
@@ -100,19 +112,32 @@ def test_a_damaged_graph_file_is_removed_not_loaded(tmp_path, content):
     assert not folder.exists()
 
 
-def test_one_builder_holds_the_lock_and_a_dead_ones_is_taken_over(tmp_path):
-    with build_lock(tmp_path) as first:
-        assert first and (tmp_path / LOCK).read_text() == str(os.getpid())
-        with build_lock(tmp_path) as second:
-            assert not second
-    assert not (tmp_path / LOCK).exists()
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True)
-    for stale in (finished.stdout.strip(), "garbage", ""):
-        (tmp_path / LOCK).write_text(stale)
-        with build_lock(tmp_path) as mine:
-            assert mine
-        assert not (tmp_path / LOCK).exists()
+def test_a_lock_is_held_once_and_freed_when_its_holder_exits_however_it_exits(tmp_path):
+    lock = tmp_path / "key" / KEY_LOCK
+    fd = try_lock(lock)
+    assert fd is not None and holder(lock) == str(os.getpid())
+    assert try_lock(lock) is None  # another open file of the same process counts as another holder
+    os.close(fd)
+    again = try_lock(lock)
+    assert again is not None
+    os.close(again)
+    taker = subprocess.Popen([sys.executable, "-c", HOLD_A_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert taker.stdout.readline() == "held\n"
+        assert try_lock(lock) is None and holder(lock) == str(taker.pid)
+    finally:
+        taker.kill()
+        taker.wait()
+    fd = try_lock(lock)  # killed: no stale lock to judge
+    assert fd is not None
+    os.close(fd)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two", "", "1.5"])
+def test_a_bad_builder_cap_is_a_clear_error(monkeypatch, text):
+    monkeypatch.setenv(MAX_BUILDERS_ENV, text)
+    with pytest.raises(ValueError, match="FURCATE_MAX_BUILDERS must be an integer >= 1"):
+        max_builders()
 
 
 def test_the_builder_refuses_a_model_other_than_the_engines(tiny_model_dirs, private_cache):
@@ -143,7 +168,7 @@ def test_a_default_engine_builds_its_graphs_in_the_background_then_loads_them(
         assert engine.get_stats()["compiled_forward_calls"] > 0
         assert engine.get_stats()["decode_graphs"] == "compiled"
     folders = list((tmp_path / "graphs").iterdir())
-    assert len(folders) == 1 and complete(folders[0], [1]) and not (folders[0] / LOCK).exists()
+    assert len(folders) == 1 and complete(folders[0], [1]) and lock_free(folders[0])
     with Engine(str(tiny_model_dirs["llama"]), **args) as engine:
         assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == expected
         assert engine.get_stats()["compiled_forward_calls"] == 9  # every token after the prefill's
@@ -154,19 +179,161 @@ def test_a_default_engine_builds_its_graphs_in_the_background_then_loads_them(
 def test_a_build_that_fails_is_not_tried_again_at_every_start(tiny_model_dirs, tmp_path, private_cache):
     """No C++ compiler for inductor: the builder fails, says why, and later starts stay eager without a builder."""
     from furcate.runtime.executor.graph_builder import FAILED, start_background_build
-    from furcate.runtime.executor.serving_model import load_serving_model
 
-    model, _ = load_serving_model(str(tiny_model_dirs["llama"]), torch.float32, "none", graphs=True)
-    attn = model.model.layers[0].self_attn
-    pool = TokenToKVPool(16, len(model.model.layers), attn.num_kv_heads, attn.head_dim, torch.float32, "cpu")
-    spec = BuildSpec(str(tiny_model_dirs["llama"]), "float32", "none", 0,
-                     (len(model.model.layers), attn.num_kv_heads, attn.head_dim), (1,), torch.get_num_threads(),
-                     graph_key(model, pool, [1]))
+    spec = tiny_spec(tiny_model_dirs)
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
     run = subprocess.run([sys.executable, "-m", "furcate.runtime.executor.graph_builder", spec.to_json()], env=env,
                          capture_output=True, text=True, timeout=BUILD_WAIT_S)
     assert run.returncode != 0
     failed = graph_dir(spec.key) / FAILED
     assert failed.exists() and "no-such-compiler" in failed.read_text()
-    assert not complete(graph_dir(spec.key), [1]) and not (graph_dir(spec.key) / LOCK).exists()
+    assert not complete(graph_dir(spec.key), [1]) and lock_free(graph_dir(spec.key))
     assert start_background_build(spec) is None
+
+
+def lock_free(folder) -> bool:
+    """Whether no process holds the build lock of the graphs in folder."""
+    fd = try_lock(key_lock(folder))
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
+def builders_of(cache) -> list[int]:
+    """The live graph builders that work for this cache folder (by their command line and environment)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if BUILDER.encode() in (proc / "cmdline").read_bytes() and \
+                    f"FURCATE_CACHE={cache}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped, not a zombie nor gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(predicate, seconds: float = BUILD_WAIT_S) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return predicate()
+
+
+def paused_builders(cache, count: int) -> list[int]:
+    """The builders, once `count` run, stopped (SIGSTOP) so that none finishes while the test looks."""
+    assert wait_for(lambda: len(builders_of(cache)) >= count, 120)
+    pids = builders_of(cache)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def tiny_engines(path, max_bs: list[int]) -> list[Engine]:
+    """Engines over the tiny model started at once (one thread each), one per torch_compile_max_bs (1 and 2:
+    two graph keys)."""
+    args = {**EXACT, **NO_GRAMMAR, "max_total_tokens": 600, "torch_num_threads": 1}
+    with ThreadPoolExecutor(len(max_bs)) as pool:
+        return list(pool.map(lambda bs: Engine(path, torch_compile_max_bs=bs, **args), max_bs))
+
+
+@pytest.mark.parametrize("max_bs, cap, at_once", [([1, 1], "2", 1), ([1, 2], "1", 1), ([1, 2], "2", 2)],
+                         ids=["same-key", "capped", "two-keys-two-slots"])
+def test_builders_one_per_key_at_most_the_cap_and_none_outlives_its_engine(
+        tiny_model_dirs, tmp_path, private_cache, monkeypatch, max_bs, cap, at_once):
+    """Two engines start at once: one builder per key, never more than FURCATE_MAX_BUILDERS; when the engine that
+    started a builder shuts down the builder goes with it, and the engine that waited starts its own."""
+    monkeypatch.setenv("FURCATE_AUTO_COMPILE", "1")
+    monkeypatch.setenv(MAX_BUILDERS_ENV, cap)
+    engines = tiny_engines(str(tiny_model_dirs["llama"]), max_bs)
+    try:
+        pids = paused_builders(tmp_path, at_once)
+        parents = [parent_of(pid) for pid in pids]
+        assert not wait_for(lambda: len(builders_of(tmp_path)) > at_once, 6)  # 3 polls of the waiting engine
+        assert all(engine.get_stats()["decode_graphs"] == "building" for engine in engines)
+        starter = next(e for e in engines if e._process.pid == parents[0])
+        starter.shutdown()
+        assert not alive(pids[0])  # shut down: its builder went before the engine's process did
+        waiting = [e for e in engines if e._process.pid not in parents]
+        if waiting:  # it takes over: the same key's build, or the slot
+            assert wait_for(lambda: any(parent_of(pid) == waiting[0]._process.pid for pid in builders_of(tmp_path)))
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    assert builders_of(tmp_path) == []
+
+
+def test_a_builder_goes_when_its_engine_is_killed(tiny_model_dirs, tmp_path, private_cache, monkeypatch):
+    monkeypatch.setenv("FURCATE_AUTO_COMPILE", "1")
+    [engine] = tiny_engines(str(tiny_model_dirs["llama"]), [1])
+    try:
+        [pid] = paused_builders(tmp_path, 1)  # stopped: only the kernel can end it (a polling thread could not)
+        os.kill(engine._process.pid, signal.SIGKILL)
+        assert wait_for(lambda: not alive(pid), 30)
+    finally:
+        engine.shutdown()
+
+
+def tiny_spec(tiny_model_dirs, sizes: tuple[int, ...] = (1,)) -> BuildSpec:
+    """What an engine over the tiny llama model (float32, eager kernels as the builder loads them) hands its
+    builder."""
+    from furcate.runtime.executor.serving_model import load_serving_model
+
+    model, _ = load_serving_model(str(tiny_model_dirs["llama"]), torch.float32, "none", graphs=True)
+    attn = model.model.layers[0].self_attn
+    pool = TokenToKVPool(16, len(model.model.layers), attn.num_kv_heads, attn.head_dim, torch.float32, "cpu")
+    return BuildSpec(str(tiny_model_dirs["llama"]), "float32", "none", 0,
+                     (len(model.model.layers), attn.num_kv_heads, attn.head_dim), sizes, torch.get_num_threads(),
+                     graph_key(model, pool, list(sizes)))
+
+
+def test_a_builder_that_makes_no_progress_is_stopped(tiny_model_dirs, tmp_path, private_cache, monkeypatch):
+    """A builder that gets no CPU (here: stopped; on a busy machine: SCHED_IDLE) is killed after STALL_S."""
+    from furcate.runtime.executor import graph_builder
+
+    monkeypatch.setattr(graph_builder, "STALL_S", 2.0)
+    monkeypatch.setattr(graph_builder, "POLL_S", 0.2)
+    watch = graph_builder.BackgroundGraphs(tiny_spec(tiny_model_dirs))
+    try:
+        [pid] = paused_builders(tmp_path, 1)
+        watch.thread.join(60)
+        assert not watch.thread.is_alive() and not alive(pid)
+        assert watch.graphs is None and not watch.pending()
+    finally:
+        watch.stop()
+    assert lock_free(graph_dir(watch.spec.key))
+
+
+def test_prepare_builds_the_graphs_and_waits_and_the_next_engine_loads_them(
+        tiny_model_dirs, tmp_path, private_cache, monkeypatch):
+    """`furcate prepare` with an engine's options compiles that engine's graphs at normal priority and returns
+    once they are saved (each graph's progress shown); an engine started with the same options loads them. With
+    --remeasure it first forgets the kept kernel choices."""
+    forgotten = tmp_path / "kernel_choice" / "0123.json"
+    forgotten.parent.mkdir()
+    forgotten.write_text('{"value": 0}')
+    options = ["--model-path", str(tiny_model_dirs["llama"]), "--dtype", "float32", "--quantization", "none",
+               "--torch-compile-max-bs", "2", "--torch-num-threads", "2", "--max-total-tokens", "600",
+               "--grammar-backend", "none"]
+    run = subprocess.run([sys.executable, "-m", "furcate.cli", "prepare", "--remeasure", *options],
+                         capture_output=True, text=True, timeout=BUILD_WAIT_S)
+    assert run.returncode == 0, run.stderr
+    assert "decode graphs: compiled" in run.stdout and "forgot 1 kept kernel choice" in run.stdout
+    assert "decode graph 2 of 2" in run.stderr and not forgotten.exists()
+    assert builders_of(tmp_path) == []
+    monkeypatch.setenv("FURCATE_AUTO_COMPILE", "1")
+    args = {**EXACT, **NO_GRAMMAR, "torch_compile_max_bs": 2, "torch_num_threads": 2, "max_total_tokens": 600}
+    with Engine(str(tiny_model_dirs["llama"]), **args) as engine:
+        assert engine.get_stats()["decode_graphs"] == "compiled"
+    assert builders_of(tmp_path) == []

@@ -110,7 +110,7 @@ def test_the_compiled_op_finds_the_layers_packed_copy_and_never_a_stale_one():
 
 
 @needs_onednn
-def test_float32_packing_is_measured_once_per_shape_and_kept(private_cache, tmp_path, monkeypatch):
+def test_float32_packing_is_measured_once_per_shape_and_kept(private_cache, idle_machine, tmp_path, monkeypatch):
     layers = [float32_layer(shape, 1) for shape in ((96, 64), (64, 96), (96, 64))]
     measured = []
     monkeypatch.setattr(kernel_choice, "packed_crossover",
@@ -228,7 +228,7 @@ def test_the_dense_gemv_refuses_what_it_does_not_take(dtype):
             torch.ops.furcate.dense_gemv(x, w, b)
 
 
-def test_the_dense_gemv_serves_one_row_where_it_measured_faster(private_cache, monkeypatch):
+def test_the_dense_gemv_serves_one_row_where_it_measured_faster(private_cache, idle_machine, monkeypatch):
     """gemv_wins is measured once per shape and kept; layers whose shape it won run one row through it, the rest
     stay on the packed copy, and both give F.linear's values."""
     if not gemv_built(torch.float32):
@@ -268,7 +268,7 @@ def test_gemv_wins_times_both_paths_on_the_layers_at_one_row(gemv_s, packed_s, w
     assert kernel_choice.gemv_wins([float32_layer((64, 128), 1) for _ in range(2)]) is wins
 
 
-def test_a_layer_that_packs_from_no_row_still_takes_the_gemv_at_one_row(private_cache, monkeypatch):
+def test_a_layer_that_packs_from_no_row_still_takes_the_gemv_at_one_row(private_cache, idle_machine, monkeypatch):
     """Where F.linear beat the packed copy at every rung (MKL on an AVX2-only CPU), the layer keeps no copy, yet one
     row runs the dense GEMV where it beat F.linear: eagerly, through the compiled op, and after its weight is
     replaced (repack_linears tells the op the new weight)."""

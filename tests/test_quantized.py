@@ -95,7 +95,7 @@ def test_auto_measures_which_batch_sizes_the_quantized_kernel_serves():
     assert small_batch_rows([torch.nn.Identity() for _ in dense], dense) == ROW_LADDER[-1]
 
 
-def test_auto_measures_once_per_machine_and_reads_the_choice_back(private_cache, monkeypatch):
+def test_auto_measures_once_per_machine_and_reads_the_choice_back(private_cache, idle_machine, monkeypatch):
     """A choice measured again at every start moved with load (4 rows one start, 8 the next), and the compiled
     graphs that bake it in were never found again; a damaged record is measured again."""
     from furcate.runtime.model import kernel_choice

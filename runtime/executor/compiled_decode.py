@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -163,12 +164,20 @@ def compile_graph(model, kv_pool: TokenToKVPool, bs: int, dynamic_batch: bool = 
     return graph
 
 
-def compile_graphs(model, kv_pool: TokenToKVPool, sizes: list[int]) -> dict[int, object]:
-    started = time.perf_counter()
-    # A class followed at once by the next holds one size: where the quantized kernels serve up to 2 rows, the
-    # class from 2 is just 2, and its `rows <= 2` would pin a dynamic batch size to 2, which torch refuses.
-    graphs = {bs: compile_graph(model, kv_pool, bs, bs + 1 not in sizes) for bs in sizes}
-    logger.info("compiled decode for batch sizes %s in %.1f s", sizes, time.perf_counter() - started)
+def compile_graphs(model, kv_pool: TokenToKVPool, sizes: list[int], wanted: list[int] | None = None,
+                   compiled: Callable[[int, object], None] | None = None) -> dict[int, object]:
+    """The graphs of the size classes `wanted` (default: all of `sizes`), each handed to compiled() as soon as it
+    exists (to save it: a build stopped half-way keeps what it finished), one progress line each."""
+    wanted, graphs = sizes if wanted is None else wanted, {}
+    for done, bs in enumerate(wanted, 1):
+        started = time.perf_counter()
+        # A class followed at once by the next holds one size: where the quantized kernels serve up to 2 rows, the
+        # class from 2 is just 2, and its `rows <= 2` would pin a dynamic batch size to 2, which torch refuses.
+        graphs[bs] = compile_graph(model, kv_pool, bs, bs + 1 not in sizes)
+        if compiled is not None:
+            compiled(bs, graphs[bs])
+        logger.info("decode graph %d of %d (batch sizes from %d) compiled in %.1f s", done, len(wanted), bs,
+                    time.perf_counter() - started)
     return graphs
 
 

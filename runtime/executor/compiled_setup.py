@@ -4,7 +4,12 @@ adopts once they load (graph_builder.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
+import pathlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +17,19 @@ from torch import nn
 
 from ..cache.memory_pool import TokenToKVPool
 from ..config import EngineArgs
+from .build_locks import key_lock, wait_lock
 from .compiled_decode import CompiledDecode, compilable, compile_graphs, size_classes
 from .graph_builder import BackgroundGraphs, BuildSpec, auto_compile_enabled, start_background_build
-from .graph_cache import complete, graph_dir, graph_key, load_graphs, save_graphs, use_furcate_inductor_cache
+from .graph_cache import (
+    complete,
+    graph_dir,
+    graph_file,
+    graph_key,
+    load_graphs,
+    prune_unused,
+    save_graph,
+    use_furcate_inductor_cache,
+)
 
 logger = logging.getLogger("furcate.model_runner")
 
@@ -72,18 +87,55 @@ def adopted(args: EngineArgs, model: nn.Module, kv_pool: TokenToKVPool, graphs: 
 
 
 def compile_now(target: DecodeTarget, sizes: list[int], key: str) -> dict[int, object] | None:
-    """Compile at start-up and save the graphs for the next start; None (eager decode) if that fails."""
+    """Compile at start-up, each graph saved for the next start as it is done, holding the key's lock (a build of
+    the same key elsewhere is waited for, and what it saved is loaded); None (eager decode) if compiling fails."""
+    folder = graph_dir(key)
+    with key_held(folder):
+        saved = load_graphs(folder, [bs for bs in sizes if graph_file(folder, bs).is_file()]) or {}
+        compiled = compile_missing(target, sizes, [bs for bs in sizes if bs not in saved], folder)
+    return None if compiled is None else {**saved, **compiled}
+
+
+@contextlib.contextmanager
+def key_held(folder: pathlib.Path) -> Iterator[None]:
+    """The key's lock, waited for; none where the cache folder is read-only (nothing is saved there either)."""
     try:
-        graphs = compile_graphs(target.model, target.kv_pool, sizes)
+        fd = wait_lock(key_lock(folder), lambda pid: logger.warning(
+            "enable_torch_compile: another process (pid %s) builds these decode graphs: waiting for it", pid))
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def compile_missing(target: DecodeTarget, sizes: list[int], missing: list[int],
+                    folder: pathlib.Path) -> dict[int, object] | None:
+    """The graphs of `missing` compiled and saved; None if compiling fails."""
+    if not missing:
+        return {}
+    logger.warning("enable_torch_compile: compiling %d decode graph(s) now (the default model's take ~30-40 s each "
+                   "on 2 cores), saved for later starts", len(missing))
+    try:
+        graphs = compile_graphs(target.model, target.kv_pool, sizes, missing, functools.partial(save_quietly, folder))
     except Exception as error:  # noqa: BLE001 - e.g. no C++ compiler for inductor: serve eagerly, say why
         logger.warning("enable_torch_compile: decode runs eagerly: compiling it failed: %s: %s",
                        type(error).__name__, error)
         return None
-    try:
-        save_graphs(graph_dir(key), graphs)
-    except Exception as error:  # noqa: BLE001 - a full or read-only disk: serve compiled, compile next time
-        logger.warning("the compiled decode graphs were not saved: %s: %s", type(error).__name__, error)
+    with contextlib.suppress(OSError):  # nothing saved (a read-only cache): nothing to prune either
+        prune_unused(folder.parent)
     return graphs
+
+
+def save_quietly(folder: pathlib.Path, bs: int, graph: object) -> None:
+    """Save a graph; a full or read-only disk is said, not raised: serve compiled, compile next time."""
+    try:
+        save_graph(folder, bs, graph)
+    except Exception as error:  # noqa: BLE001
+        logger.warning("the compiled decode graph for batch size %d was not saved: %s: %s", bs,
+                       type(error).__name__, error)
 
 
 def build_spec(args: EngineArgs, target: DecodeTarget, sizes: list[int], key: str) -> BuildSpec:

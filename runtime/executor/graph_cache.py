@@ -107,12 +107,17 @@ def complete(folder: pathlib.Path, sizes: list[int]) -> bool:
     return all(graph_file(folder, bs).is_file() for bs in sizes)
 
 
-def save_graphs(folder: pathlib.Path, graphs: dict[int, object]) -> None:
-    """Each graph written whole (aot_compile writes a temporary file and renames it), and complete() asks for
-    every file, so a half-saved set is never loaded; then folders long unused are removed."""
+def save_graph(folder: pathlib.Path, bs: int, graph: object) -> None:
+    """One graph written whole (aot_compile writes a temporary file and renames it); complete() asks for every
+    file, so a half-saved set is never loaded, while a build stopped half-way keeps the graphs it finished."""
     folder.mkdir(parents=True, exist_ok=True)
+    graph.save_compiled_function(str(graph_file(folder, bs)))
+
+
+def save_graphs(folder: pathlib.Path, graphs: dict[int, object]) -> None:
+    """Every graph saved (save_graph), then the folders long unused removed."""
     for bs, graph in graphs.items():
-        graph.save_compiled_function(str(graph_file(folder, bs)))
+        save_graph(folder, bs, graph)
     prune_unused(folder.parent)
 
 

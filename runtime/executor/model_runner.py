@@ -147,8 +147,9 @@ class ModelRunner:
 
     def decode_graphs(self) -> str:
         """How decode runs: "compiled" (its graphs loaded), "building" (eager until the builder's graphs load), or
-        "eager"."""
-        return "compiled" if self.compiled is not None else "building" if self.background is not None else "eager"
+        "eager" (also once a build failed or was stopped)."""
+        building = self.background is not None and self.background.pending()
+        return "compiled" if self.compiled is not None else "building" if building else "eager"
 
     def adopt_background_graphs(self) -> None:
         """Decode through the graphs the background build delivered, from the next batch on."""
@@ -221,9 +222,12 @@ class ModelRunner:
         return self.eager.run(forward, rows)
 
     def close(self) -> None:
-        """Stop the follower ranks (nothing to do without tensor parallelism)."""
+        """Stop the follower ranks (nothing to do without tensor parallelism) and a background graph build."""
         self.followers.close()
         self.followers = NoFollowers()
+        if self.background is not None:
+            self.background.stop()
+            self.background = None
 
     def sample(self, batch: ScheduleBatch, logits: torch.Tensor, inputs: SamplingInputs) -> StepResult:
         per_slice = logits.split([len(r) for r in batch.logit_ranges])

@@ -9,9 +9,15 @@ without it torch's kernels convert every product and may lose to float32. One fl
 engine times both kernels on the model's own layers at start-up (1-2 s, once) and serves with the
 quantized kernel only the batch sizes where it won. It times a run through many layers, not one: a step streams
 every layer's weights from memory, while one layer's dense weights alone would sit in the cache and flatter the
-dense kernel. The choice is measured once per machine and model shape and then kept on disk (remembered_rows): on
-a loaded machine a new measurement could pick 4 rows one start and 8 the next, and the compiled decode graphs,
-which bake the choice in, would never be found again.
+dense kernel. A choice is kept on disk (remembered): measured again at every start, it could pick 4 rows one start
+and 8 the next, and the compiled decode graphs, which bake the choice in, would never be found again.
+
+A timing taken while other processes keep the CPUs busy says little (at a load of ~10 on 2 cores it chose no
+quantized rows at all), so each measurement records how many cores others kept busy meanwhile (/proc/stat less
+this process's own CPU time). Under load the choice is measured again until two timings in a row agree, else a
+safe middle value stands in, and either is kept as provisional: the next start that finds the machine idle
+measures it again, and a kept choice that changes leads to new graphs (their key covers it). Records written
+before loads were recorded count as provisional. `furcate prepare --remeasure` forgets every kept choice.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import os
 import pathlib
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +49,19 @@ MARGIN = 0.9
 # Rows at which a float32 packed linear is timed against F.linear, and the share by which it must win.
 PACKED_LADDER = (1, 8, 64)
 PACKED_MARGIN = 0.95
+# What stands in for quantization=auto's rows when timings under load disagree: at or below every idle
+# measurement so far (4-8 rows against bfloat16 on avx512_bf16, 16 on an AVX512-VNNI CPU without it, 32 against
+# float32), rows where the 4-bit kernel reads a quarter of the bytes.
+SAFE_ROWS = 4
+# A timing counts as taken under load when others kept more cores busy than this process's threads leave free,
+# plus this margin (a burst of another process's work is not load).
+BUSY_MARGIN_CORES = 0.5
+MEASURE_TRIES = 2  # timings under load, at most (each costs a start its time again), before the fallback stands in
+PROBE_S = 0.25  # how long a start watches the CPUs before measuring a provisional choice again
+REDO = "`furcate prepare --remeasure` measures every choice again"
+# False in a graph builder: it loads the engine's model again, and must take the choices the engine took (the
+# graphs' key covers them), so there a provisional choice is kept even on an idle machine.
+MEASURE_PROVISIONAL = True
 T = TypeVar("T")
 
 
@@ -91,28 +111,151 @@ def choice_file(quantized: list[nn.Module], dense: list[nn.Linear]) -> pathlib.P
                         source_texts(SOURCE), os.environ.get("FURCATE_BLOCK_GEMV")])
 
 
-def remembered(path: pathlib.Path, measure: Callable[[], T], parse: Callable[[object], T], what: str) -> T:
-    """measure()'s result as the first start on this machine measured it (parse turns the saved JSON back into
-    it, raising on anything else)."""
+@dataclass(frozen=True)
+class CpuCounters:
+    """CPU time at one moment: busy seconds summed over the CPUs this process may run on (None without
+    /proc/stat), and this process's own."""
+
+    wall: float
+    busy: float | None
+    own: float
+
+
+def cpu_counters() -> CpuCounters:
+    return CpuCounters(time.monotonic(), busy_cpu_seconds(), time.process_time())
+
+
+def busy_cpu_seconds() -> float | None:
+    """Busy seconds so far of the CPUs this process may run on (/proc/stat's per-CPU lines: all but idle and
+    iowait, steal included: a hypervisor's other guests take CPU as surely as other processes)."""
     try:
-        return parse(json.loads(path.read_text())["value"])
-    except (OSError, ValueError, KeyError, TypeError):  # not measured yet, or a damaged file: measure
-        pass
+        lines = pathlib.Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    mine = {f"cpu{i}" for i in usable_cpus()}
+    ticks = sum(sum(map(int, fields[1:4])) + sum(map(int, fields[6:9]))
+                for fields in (line.split() for line in lines) if fields and fields[0] in mine)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def usable_cpus() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
+def busy_elsewhere(start: CpuCounters, end: CpuCounters) -> float:
+    """Cores that other processes kept busy on average between two readings (without /proc/stat: the load
+    average beyond this process's threads)."""
+    if start.busy is None or end.busy is None:
+        return max(os.getloadavg()[0] - torch.get_num_threads(), 0.0)
+    others = (end.busy - start.busy) - (end.own - start.own)
+    return max(others, 0.0) / max(end.wall - start.wall, 1e-3)
+
+
+def busy_limit() -> float:
+    """The cores others may keep busy before a timing counts as taken under load: those this process's threads
+    leave free, plus BUSY_MARGIN_CORES."""
+    return max(len(usable_cpus()) - torch.get_num_threads(), 0) + BUSY_MARGIN_CORES
+
+
+def timed(measure: Callable[[], T]) -> tuple[T, float]:
+    """measure()'s result, and the cores others kept busy meanwhile."""
+    start = cpu_counters()
     value = measure()
+    return value, busy_elsewhere(start, cpu_counters())
+
+
+def busy_now() -> bool:
+    """Whether others keep the CPUs busy now, watched for PROBE_S."""
+    return timed(lambda: time.sleep(PROBE_S))[1] > busy_limit()
+
+
+@dataclass(frozen=True)
+class Choice(Generic[T]):
+    """A measured choice as kept on disk: its value, the most cores others kept busy while it was measured, and
+    whether that was too many (provisional: measured again at the next idle start)."""
+
+    value: T
+    busy_cores: float | None  # None: kept by a furcate that did not record it
+    provisional: bool
+
+    def record(self) -> dict:
+        return {"value": self.value, "busy_cores": self.busy_cores, "provisional": self.provisional,
+                "busy_limit": busy_limit()}
+
+    def how(self) -> str:
+        if self.busy_cores is None:
+            return "measured before loads were recorded: provisional"
+        load = f"while others kept {self.busy_cores:.1f} cores busy"
+        return f"measured {load}: provisional" if self.provisional else f"measured idle ({load})"
+
+
+def steady(measure: Callable[[], T], fallback: T) -> Choice[T]:
+    """measure()'s result as taken when the machine is idle; under load, measured again until two timings in a
+    row agree, else `fallback` (a safe middle value, never one extreme a skewed timing picks), provisional."""
+    limit, busiest, last = busy_limit(), 0.0, []  # last: the previous timing's value, in a list (None is a value)
+    for _ in range(MEASURE_TRIES):
+        value, busy = timed(measure)
+        if busy <= limit:
+            return Choice(value, busy, False)
+        busiest = max(busiest, busy)
+        if last == [value]:
+            return Choice(value, busiest, True)
+        last = [value]
+    return Choice(fallback, busiest, True)
+
+
+def kept(path: pathlib.Path, parse: Callable[[object], T]) -> Choice[T] | None:
+    """The choice kept at path; None when there is none, or a damaged one (measured again)."""
+    try:
+        record = json.loads(path.read_text())
+        busy = record.get("busy_cores")
+        if busy is not None and not isinstance(busy, int | float):
+            raise TypeError("not a load")
+        return Choice(parse(record["value"]), busy, record.get("provisional", True) is not False)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def remembered(path: pathlib.Path, measure: Callable[[], T], parse: Callable[[object], T], what: str,
+               fallback: T) -> T:
+    """measure()'s result as kept at path (parse turns the saved JSON back into it, raising on anything else):
+    measured when none is kept, or when the kept one is provisional and the machine is idle now."""
+    choice = kept(path, parse)
+    if choice is not None and (not choice.provisional or not MEASURE_PROVISIONAL or busy_now()):
+        logger.info("%s: %s, kept (%s; %s)", what, choice.value, choice.how(), REDO)
+        return choice.value
+    choice = steady(measure, fallback)
+    save(path, choice, what)
+    log = logger.warning if choice.provisional else logger.info
+    log("%s: %s, %s%s (%s)", what, choice.value, choice.how(),
+        ", measured again at the next idle start" if choice.provisional else "", REDO)
+    return choice.value
+
+
+def save(path: pathlib.Path, choice: Choice, what: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps({"value": value}))
+        scratch.write_text(json.dumps(choice.record()))
         os.replace(scratch, path)
     except OSError as error:  # a read-only cache: measure again next start
         logger.warning("%s was not saved: %s", what, error)
-    return value
+
+
+def forget_choices() -> int:
+    """Delete every kept choice (every model's: the next start of each measures again); how many there were."""
+    paths = list((furcate_cache() / "kernel_choice").glob("*.json"))
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return len(paths)
 
 
 def remembered_rows(quantized: list[nn.Module], dense: list[nn.Linear]) -> int:
-    """small_batch_rows as measured the first time on this machine."""
+    """small_batch_rows as kept on this machine (remembered)."""
     return remembered(choice_file(quantized, dense), lambda: small_batch_rows(quantized, dense), int,
-                      "quantization=auto's choice")
+                      "quantization=auto's choice (quantized kernel up to this many rows)", SAFE_ROWS)
 
 
 def packed_crossover(layers: list[nn.Linear]) -> int | None:
@@ -142,21 +285,23 @@ def plain_call(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def packed_from_rows(layers: list[nn.Linear]) -> list[int | None]:
     """Per layer (each holding its packed copy), the rows from which it serves the packed copy, measured per
-    weight shape the first time on this machine (packed_crossover)."""
+    weight shape and kept on this machine (packed_crossover); the fallback is F.linear, torch's own path."""
     return per_shape(layers, "packed_linear", packed_crossover, lambda rows: rows is None or rows in PACKED_LADDER,
-                     "the packed linears' choice")
+                     "the packed linears' choice (packed from this many rows, per shape)", None)
 
 
 def per_shape(layers: list[nn.Linear], name: str, measure: Callable[[list[nn.Linear]], T],
-              valid: Callable[[object], bool], what: str) -> list[T]:
-    """measure's result for each layer's weight shape (timed through all the layers of that shape), measured the
-    first time on this machine and then kept under `name`; a kept value that is not `valid` measures again."""
+              valid: Callable[[object], bool], what: str, fallback: T) -> list[T]:
+    """measure's result for each layer's weight shape (timed through all the layers of that shape), kept on this
+    machine under `name` (remembered; `fallback` for each shape where it stands in); a kept value that is not
+    `valid` measures again."""
     groups: dict[str, list[nn.Linear]] = {}
     for layer in layers:
         groups.setdefault(json.dumps(list(layer.weight.shape)), []).append(layer)
     path = choice_path([name, sorted(groups), str(layers[0].weight.dtype)])
     chosen = remembered(path, lambda: {shape: measure(group) for shape, group in groups.items()},
-                        functools.partial(parse_per_shape, sorted(groups), valid), what)
+                        functools.partial(parse_per_shape, sorted(groups), valid), what,
+                        dict.fromkeys(groups, fallback))
     return [chosen[json.dumps(list(layer.weight.shape))] for layer in layers]
 
 
@@ -198,5 +343,7 @@ def gemv_choice(layers: list[nn.Linear]) -> list[bool]:
         groups.setdefault(one_row_call(layer).__name__, []).append(layer)
     chosen = {id(layer): wins for name, group in groups.items()
               for layer, wins in zip(group, per_shape(group, f"dense_gemv/{name}", gemv_wins,
-                                                      lambda wins: type(wins) is bool, "the dense GEMV's choice"))}
+                                                      lambda wins: type(wins) is bool,
+                                                      "the dense GEMV's choice (whether it serves one row, per "
+                                                      "shape)", False))}
     return [chosen[id(layer)] for layer in layers]

@@ -8,7 +8,8 @@ how long that call took to answer and how long until every request had returned.
 
 Side by side: `--checkouts NAME=DIR ...` runs the same load against the server of each furcate checkout (its
 directory on PYTHONPATH as the `furcate` package, e.g. a link `DIR/furcate -> checkout`), one after the other, so a
-change is measured against the code before it in one run. Writes benchmarks/results/responsiveness.{json,md}.
+change is measured against the code before it in one run. Writes
+benchmarks/results/responsiveness_{clients}x{prompt tokens}.{json,md}.
 
     python -m benchmarks.responsiveness [--checkouts before=/path/a after=/path/b] [--quick]
 """
@@ -118,7 +119,7 @@ def report(results: dict, facts: dict) -> str:
              f"CPU flags: {' '.join(facts['cpu_flags']) or 'none of avx512_bf16/amx_tile'} (avx2/avx512f: "
              f"{' '.join(facts['isa'])}); {facts['cpus']} CPUs, {facts['threads']} threads; load average before: "
              f"{facts['load_before']:.2f}; {facts['clients']} clients x {facts['prompt_tokens']} prompt tokens, "
-             f"abort_all after {facts['abort_after']} s.", "",
+             f"abort_all after {facts['abort_after']} s; FURCATE_AUTO_COMPILE={facts['auto_compile']}.", "",
              "| checkout | /health p50 / p99 / max (s) | /get_load p99 / max (s) | /get_server_info p99 / max (s) "
              "| abort_all answered (s) | all returned (s) | outcomes |", "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
@@ -149,12 +150,13 @@ def main() -> None:
     facts = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu_flags": cpu_flags(),
              "isa": isa_flags(), "cpus": os.cpu_count(), "threads": args.threads, "load_before": os.getloadavg()[0],
              "clients": args.clients, "prompt_tokens": args.prompt_tokens, "abort_after": args.abort_after,
-             "python": platform.python_version()}
+             "python": platform.python_version(), "auto_compile": os.environ.get("FURCATE_AUTO_COMPILE", "1")}
     checkouts = dict(item.split("=", 1) for item in args.checkouts) or {"this": None}
     results = {name: run_checkout(name, path, load, args) for name, path in checkouts.items()}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "responsiveness.json").write_text(json.dumps({"facts": facts, "results": results}, indent=2))
-    (RESULTS / "responsiveness.md").write_text(report(results, facts))
+    name = f"responsiveness_{args.clients}x{args.prompt_tokens}"
+    (RESULTS / f"{name}.json").write_text(json.dumps({"facts": facts, "results": results}, indent=2))
+    (RESULTS / f"{name}.md").write_text(report(results, facts))
     print(report(results, facts))
 
 

@@ -231,6 +231,7 @@ def test_full_queue_answers_503_at_once(guarded_server):
                 time.sleep(0.02)
             refused = requests.post(f"{url}/generate", json=GOOD, headers=headers, timeout=60)
             assert refused.status_code == 503 and "queue is full" in refused.json()["error"]["message"]
+            assert refused.headers["Retry-After"] == "1"  # full, not broken: clients and routers come back
             chat = requests.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers, timeout=60)
             assert chat.status_code == 503
         finally:

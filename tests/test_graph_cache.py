@@ -15,10 +15,6 @@ import pytest
 import torch
 
 from conftest import EXACT, NO_GRAMMAR
-
-# Kernel choices fixed, not measured: a choice measured while other tests keep the CPUs busy is provisional, and the
-# next idle start measures it again (tests/test_kernel_choice.py), which may change the graph key these tests follow.
-FIXED_KERNELS = {"packed_linear": "off", "dense_gemv": "off"}
 from furcate import Engine
 from furcate.runtime.cache.memory_pool import TokenToKVPool
 from furcate.runtime.executor.build_locks import KEY_LOCK, MAX_BUILDERS_ENV, holder, key_lock, max_builders, try_lock
@@ -28,6 +24,9 @@ from furcate.runtime.executor.graph_cache import complete, graph_dir, graph_file
 from furcate.runtime.kernels import paged_attention
 from furcate.runtime.model.weights.loader import load_model
 
+# Kernel choices fixed, not measured: a choice measured while other tests keep the CPUs busy is provisional, and the
+# next idle start measures it again (tests/test_kernel_choice.py), which may change the graph key these tests follow.
+FIXED_KERNELS = {"packed_linear": "off", "dense_gemv": "off"}
 BUILD_WAIT_S = 600  # a cold build of the tiny model is ~30 s on 2 cores; CI's machines may be slower
 BUILDER = "furcate.runtime.executor.graph_builder"
 HOLD_A_LOCK = """
@@ -160,7 +159,8 @@ def test_a_default_engine_builds_its_graphs_in_the_background_then_loads_them(
     ids = tokenizer.encode("a lantern hung above the quiet harbour")
     params = {"max_new_tokens": 10, "temperature": 0.0}
     expected = hf_reference("llama").greedy(ids, 10)
-    args = {**EXACT, **NO_GRAMMAR, **FIXED_KERNELS, "torch_compile_max_bs": 1, "max_total_tokens": 600, "torch_num_threads": 2}
+    args = {**EXACT, **NO_GRAMMAR, **FIXED_KERNELS, "torch_compile_max_bs": 1, "max_total_tokens": 600,
+            "torch_num_threads": 2}
     with Engine(str(tiny_model_dirs["llama"]), **args) as engine:
         assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == expected
         assert engine.get_stats()["compiled_forward_calls"] == 0  # the builder has not even imported torch yet
@@ -337,7 +337,8 @@ def test_prepare_builds_the_graphs_and_waits_and_the_next_engine_loads_them(
     assert "decode graph 2 of 2" in run.stderr and not forgotten.exists()
     assert builders_of(tmp_path) == []
     monkeypatch.setenv("FURCATE_AUTO_COMPILE", "1")
-    args = {**EXACT, **NO_GRAMMAR, **FIXED_KERNELS, "torch_compile_max_bs": 2, "torch_num_threads": 2, "max_total_tokens": 600}
+    args = {**EXACT, **NO_GRAMMAR, **FIXED_KERNELS, "torch_compile_max_bs": 2, "torch_num_threads": 2,
+            "max_total_tokens": 600}
     with Engine(str(tiny_model_dirs["llama"]), **args) as engine:
         assert engine.get_stats()["decode_graphs"] == "compiled"
     assert builders_of(tmp_path) == []

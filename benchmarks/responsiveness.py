@@ -25,9 +25,11 @@ import pathlib
 import platform
 import random
 import statistics
+import subprocess
 import time
 
 import aiohttp
+import torch
 
 from furcate.runtime.server.server_process import ServerProcess
 
@@ -111,15 +113,26 @@ def run_checkout(name: str, path: str | None, load: list[list[int]], args: argpa
     finally:
         os.environ.pop("PYTHONPATH", None) if env_before is None else os.environ.update(PYTHONPATH=env_before)
     print(f"{name}: {json.dumps(result)}", flush=True)
-    return {"checkout": path, "warm_up_outcomes": warm["outcomes"], **result}
+    return {"checkout": path, "commit": commit_of(path), "warm_up_outcomes": warm["outcomes"], **result}
+
+
+def commit_of(path: str | None) -> str:
+    """The git commit of the furcate a PYTHONPATH directory holds (its `furcate` link), or of this one."""
+    root = pathlib.Path(path) / "furcate" if path else pathlib.Path(__file__).parents[1]
+    run = subprocess.run(["git", "-C", str(root.resolve()), "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True)
+    return run.stdout.strip() or "unknown"
 
 
 def report(results: dict, facts: dict) -> str:
+    commits = ", ".join(f"{name} = {r['commit']}" for name, r in results.items())
     lines = [f"# Responsiveness under a heavy-prompt load ({facts['date']})", "",
              f"CPU flags: {' '.join(facts['cpu_flags']) or 'none of avx512_bf16/amx_tile'} (avx2/avx512f: "
              f"{' '.join(facts['isa'])}); {facts['cpus']} CPUs, {facts['threads']} threads; load average before: "
              f"{facts['load_before']:.2f}; {facts['clients']} clients x {facts['prompt_tokens']} prompt tokens, "
-             f"abort_all after {facts['abort_after']} s; FURCATE_AUTO_COMPILE={facts['auto_compile']}.", "",
+             f"abort_all after {facts['abort_after']} s; FURCATE_AUTO_COMPILE={facts['auto_compile']}; Python "
+             f"{facts['python']}, torch {facts['torch']}, aiohttp {facts['aiohttp']}; checkouts: "
+             f"{commits}.", "",
              "| checkout | /health p50 / p99 / max (s) | /get_load p99 / max (s) | /get_server_info p99 / max (s) "
              "| abort_all answered (s) | all returned (s) | outcomes |", "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
@@ -150,7 +163,8 @@ def main() -> None:
     facts = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu_flags": cpu_flags(),
              "isa": isa_flags(), "cpus": os.cpu_count(), "threads": args.threads, "load_before": os.getloadavg()[0],
              "clients": args.clients, "prompt_tokens": args.prompt_tokens, "abort_after": args.abort_after,
-             "python": platform.python_version(), "auto_compile": os.environ.get("FURCATE_AUTO_COMPILE", "1")}
+             "python": platform.python_version(), "torch": torch.__version__, "aiohttp": aiohttp.__version__,
+             "auto_compile": os.environ.get("FURCATE_AUTO_COMPILE", "1")}
     checkouts = dict(item.split("=", 1) for item in args.checkouts) or {"this": None}
     results = {name: run_checkout(name, path, load, args) for name, path in checkouts.items()}
     RESULTS.mkdir(exist_ok=True)
